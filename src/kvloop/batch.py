@@ -1,0 +1,52 @@
+"""SchedulerOutput: the one contract between the scheduler (who runs) and the runner (how)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvloop.params import SamplingParams
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's share of a step: which tokens to run and where their KV lives."""
+
+    request_id: str
+    token_ids: list[int]  # tokens to run this step (1 for a decode)
+    start_pos: int  # position of token_ids[0]; tokens before it are already in the cache
+    block_ids: list[int]  # the sequence's whole block table (empty without a cache)
+    sample: bool  # sample a token after this chunk (false for a non-final prefill chunk)
+    params: SamplingParams
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    suppress_ids: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    decodes: list[ScheduledSeq] = field(default_factory=list)  # one token each
+    prefills: list[ScheduledSeq] = field(default_factory=list)  # prompt chunks (or recomputes)
+    use_cache: bool = True
+    finished_ids: list[str] = field(default_factory=list)  # freed since the last step
+    num_preempted: int = 0
+
+    @property
+    def seqs(self) -> list[ScheduledSeq]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills

@@ -1,0 +1,188 @@
+"""kvloop's command line: translate flags into SamplingParams and engine options, print.
+
+    kvloop generate "PROMPT" [--chat] [--json] [--temperature T] [--max-tokens N] ...
+    kvloop chat
+Every behaviour lives in the engine; this module only parses, validates and prints.
+User mistakes end with one line on stderr and exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvloop.errors import KvloopError
+from kvloop.params import SamplingParams
+
+EXIT_USAGE = 2
+
+
+def _sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-token-id", type=int, action="append", default=[],
+                   dest="stop_token_ids")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, default=None, help="also return the top-N logprobs")
+    g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS")
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
+    g.add_argument("--no-cache", action="store_true",
+                   help="re-run the whole sequence every step (no KV cache)")
+    g.add_argument("--kv-cache-memory", default="2GiB")
+    g.add_argument("--threads", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvloop", description="LLM inference on the CPU.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a reply to one prompt, streamed")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--system", default=None, help="system message (with --chat)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    _sampling_flags(gen)
+    _engine_flags(gen)
+
+    chat = sub.add_parser("chat", help="an interactive conversation")
+    chat.add_argument("--system", default=None)
+    _sampling_flags(chat)
+    _engine_flags(chat)
+    return parser
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    bias: dict[int, float] = {}
+    for item in args.logit_bias:
+        tok, sep, val = item.partition("=")
+        try:
+            bias[int(tok)] = float(val)
+        except ValueError:
+            raise KvloopError(f"--logit-bias expects ID=BIAS, got {item!r}") from None
+        if not sep:
+            raise KvloopError(f"--logit-bias expects ID=BIAS, got {item!r}")
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+        min_tokens=args.min_tokens, seed=args.seed, stop=args.stop,
+        stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+        logit_bias=bias or None,
+    )
+
+
+def _make_llm(args: argparse.Namespace) -> Any:
+    from kvloop.engine.llm import LLM  # deferred: torch import is slow, --help stays fast
+
+    return LLM(args.model, use_cache=not args.no_cache, kv_cache_memory=args.kv_cache_memory,
+               num_threads=args.threads)
+
+
+def _figures(metrics: dict[str, Any]) -> str:
+    ttft = metrics.get("ttft_s") or 0.0
+    tps = metrics.get("decode_tokens_per_s")
+    return (f"[TTFT {ttft * 1000:.0f} ms | decode {tps or 0:.1f} tok/s | "
+            f"{metrics['output_tokens']} tokens | "
+            f"{metrics['positions_processed']} positions processed]")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(args)  # validate before the slow model load
+    llm = _make_llm(args)
+    prompt: str | list[int] = args.prompt
+    if args.chat:
+        msgs = ([{"role": "system", "content": args.system}] if args.system else [])
+        prompt = llm.tokenizer.encode_chat([*msgs, {"role": "user", "content": args.prompt}])
+    last = None
+    for out in llm.stream_outputs(prompt, params):
+        if not args.json and out.outputs[0].delta:
+            sys.stdout.write(out.outputs[0].delta)
+            sys.stdout.flush()
+        last = out
+    assert last is not None
+    comp = last.outputs[0]
+    metrics = last.metrics.as_dict()
+    if args.json:
+        obj: dict[str, Any] = {"text": comp.text, "token_ids": comp.token_ids,
+                               "finish_reason": comp.finish_reason, "metrics": metrics}
+        if params.logprobs is not None:
+            obj["logprobs"] = comp.logprobs
+            obj["top_logprobs"] = comp.top_logprobs
+        print(json.dumps(obj))
+    else:
+        sys.stdout.write("\n")
+        print(_figures(metrics), file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    llm = _make_llm(args)
+    history: list[dict[str, str]] = (
+        [{"role": "system", "content": args.system}] if args.system else [])
+    print("kvloop chat: /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        reply, last = [], None
+        try:
+            for out in llm.stream_outputs(llm.tokenizer.encode_chat(history), params):
+                if out.outputs[0].delta:
+                    reply.append(out.outputs[0].delta)
+                    sys.stdout.write(out.outputs[0].delta)
+                    sys.stdout.flush()
+                last = out
+        except KvloopError as e:  # e.g. the conversation outgrew the context
+            print(f"\nkvloop: error: {e}", file=sys.stderr)
+            history.pop()
+            continue
+        print()
+        if last is not None:
+            print(_figures(last.metrics.as_dict()), file=sys.stderr)
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        return cmd_chat(args)
+    except KvloopError as e:
+        print(f"kvloop: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""What the engine hands back: per-sequence completions grouped per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvloop.request import RequestMetrics
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[float] | None = None  # chosen tokens' logprobs, when asked for
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    cumulative_logprob: float = 0.0
+    score: float | None = None  # beam search: transformers' sequences_scores convention
+    delta: str = ""  # text added since the previous output of this request (streaming)
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text

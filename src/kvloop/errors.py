@@ -1,0 +1,18 @@
+"""The errors kvloop raises for user mistakes. All are ``ValueError`` subclasses, so callers
+can catch one type; the CLI turns them into one line and exit status 2."""
+
+
+class KvloopError(ValueError):
+    """A user-facing problem: bad input, a bad file, an unsupported model."""
+
+
+class ModelLoadError(KvloopError):
+    """The model path is missing, is not a model, or uses something kvloop does not support."""
+
+
+class InvalidParamsError(KvloopError):
+    """A sampling or engine parameter is out of range."""
+
+
+class PromptTooLongError(KvloopError):
+    """The prompt (plus the tokens asked for) does not fit the model's context or the KV cache."""

@@ -1,0 +1,531 @@
+"""The tokenizer: text <-> token ids, and the chat template.
+
+Everything runs on a real `tokenizers.Tokenizer` (Hugging Face's Rust library); this module
+only *builds* one. A Hugging Face model directory ships a `tokenizer.json`, so that is
+loaded as is. A GGUF file has none: it stores the vocabulary, merges and special ids as
+metadata under llama.cpp's key names, and we rebuild the equivalent tokenizer from them:
+
+- ``tokenizer.ggml.model == "gpt2"``: byte-level BPE. The one thing the metadata only names
+  is the pre-tokenizer (``tokenizer.ggml.pre``), i.e. the regexes that cut text into words
+  before BPE; `_PRE_SPLITS` maps each name to the regexes of the model's own
+  `tokenizer.json` (llama.cpp keeps the same table in ``llama-vocab.cpp``).
+- ``tokenizer.ggml.model == "llama"``: SentencePiece-style BPE with byte fallback
+  (Llama 1/2, Mistral, Gemma). Merges are derived from the scores when the file has none.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+from kvloop.errors import KvloopError, ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+# GGUF token types (gguf.TokenType); spelled out so this module reads without the gguf package.
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+
+# --- pre-tokenizer regexes, as the models' own tokenizer.json files write them -------------
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN35 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_TEKKEN = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
+    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_DEEPSEEK3 = (
+    r"\p{N}{1,3}",
+    r"[一-龥぀-ゟ゠-ヿ]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+_FALCON = (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]")
+_PORO = r" ?[^(\s|.,!?…。，、।۔،)]+"
+
+# tokenizer.ggml.pre -> regexes applied one after another (each splits the pieces of the last).
+_PRE_SPLITS: dict[str, tuple[str, ...]] = {
+    **dict.fromkeys(("default", "gpt2", "gpt-2", "mpt", "olmo", "jais", "trillion"), (_GPT2,)),
+    # Code models that cut every digit on its own, then split like GPT-2.
+    **dict.fromkeys(
+        ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"),
+        (r"\p{N}", _GPT2),
+    ),
+    **dict.fromkeys(
+        ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "dbrx", "smaug-bpe",
+         "chatglm-bpe", "pixtral", "midm-2.0", "lfm2"),
+        (_LLAMA3,),
+    ),
+    **dict.fromkeys(
+        ("qwen2", "deepseek-r1-qwen", "stablelm2", "hunyuan", "megrez", "grok-2"), (_QWEN2,)
+    ),
+    "qwen35": (_QWEN35,),
+    **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2", "kanana2"), (_GPT4O,)),
+    "tekken": (_TEKKEN,),
+    **dict.fromkeys(("deepseek-v3", "hunyuan-dense"), _DEEPSEEK3),
+    "falcon": _FALCON,
+    **dict.fromkeys(("poro-chat", "bloom", "gpt3-finnish"), (_PORO,)),
+    "viking": (_PORO, r"\p{N}"),
+}
+# Vocabularies whose tokenizer.json sets `ignore_merges`: a word that is itself a token is
+# taken whole instead of being rebuilt from merges (llama.cpp does the same for these).
+_IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3"})
+
+
+@cache
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map that byte-level vocabularies use.
+
+    Printable Latin-1 bytes stand for themselves; the other 68 bytes are moved to U+0100...
+    so that no token contains whitespace or control characters.
+    """
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+# ---------------------------------------------------------------------------------------------
+class Tokenizer:
+    """Wraps a real `tokenizers.Tokenizer` plus the facts the engine needs around it:
+    special ids, whether BOS is added, and the chat template."""
+
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Iterable[int],
+        pad_token_id: int | None = None,
+        unk_token_id: int | None = None,
+        chat_template: str | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
+        self._backend = backend
+        # Ids run 0..vocab_size-1 (the model's embedding rows); GGUF passes its token count.
+        if vocab_size is None:
+            vocab_size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        self.vocab_size: int = vocab_size
+        self.bos_token_id = bos_token_id
+        # Deduplicated, in declaration order (the plain EOS first).
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(eos_token_ids))
+        self.pad_token_id = pad_token_id
+        self.unk_token_id = unk_token_id
+        self.chat_template = chat_template
+        # The post-processor is the single source of truth for BOS/EOS; ask it once.
+        added = backend.encode("", add_special_tokens=True).ids
+        self.add_bos_token: bool = bos_token_id is not None and added[:1] == [bos_token_id]
+
+    # --- construction --------------------------------------------------------------------
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
+        """Build the tokenizer a GGUF file describes (key -> `field.contents()` values)."""
+        model = metadata.get("tokenizer.ggml.model")
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        if model is None or not tokens:
+            raise ModelLoadError("the GGUF file has no tokenizer (tokenizer.ggml.* metadata)")
+        tokens = [str(t) for t in tokens]
+        types = [int(t) for t in metadata.get("tokenizer.ggml.token_type") or ()]
+        types += [_NORMAL] * (len(tokens) - len(types))
+
+        def token_id(key: str) -> int | None:
+            value = metadata.get(f"tokenizer.ggml.{key}")
+            return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
+
+        bos, eos = token_id("bos_token_id"), token_id("eos_token_id")
+        unk, pad = token_id("unknown_token_id"), token_id("padding_token_id")
+        # llama.cpp adds BOS for SentencePiece vocabularies unless the file says otherwise.
+        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", model == "llama"))
+        add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+
+        hf_json = metadata.get("tokenizer.huggingface.json")
+        if hf_json:  # some converters embed the original tokenizer.json: nothing to rebuild
+            backend = HFTokenizer.from_str(str(hf_json))
+        elif model == "gpt2":
+            backend = _byte_level_bpe(tokens, types, metadata)
+        elif model == "llama":
+            backend = _sentencepiece_bpe(tokens, types, metadata, unk)
+        else:
+            raise ModelLoadError(
+                f"unsupported tokenizer model {model!r} in GGUF (kvloop reads 'gpt2' byte-level "
+                "BPE and 'llama' SentencePiece vocabularies)"
+            )
+        _set_bos_eos(
+            backend,
+            backend.id_to_token(bos) if add_bos and bos is not None else None,
+            backend.id_to_token(eos) if add_eos and eos is not None else None,
+        )
+        # Every end-of-generation token the file declares, the plain EOS first.
+        ends = (eos, token_id("eot_token_id"), token_id("eom_token_id"))
+        return cls(
+            backend,
+            bos_token_id=bos,
+            eos_token_ids=[i for i in ends if i is not None],
+            pad_token_id=pad,
+            unk_token_id=unk,
+            chat_template=metadata.get("tokenizer.chat_template"),
+            vocab_size=len(tokens),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        """Load tokenizer.json (+ tokenizer_config.json, generation_config.json, chat template)."""
+        path = Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ModelLoadError(f"{path} has no tokenizer.json (kvloop needs the fast tokenizer)")
+        try:
+            backend = HFTokenizer.from_file(str(tok_file))
+        except Exception as e:  # the Rust error names the bad field; keep it, drop the traceback
+            raise ModelLoadError(f"cannot read {tok_file}: {e}") from e
+        config = _read_json(path / "tokenizer_config.json")
+        gen_config = _read_json(path / "generation_config.json")
+
+        def special_id(name: str) -> int | None:
+            value = config.get(name)
+            if isinstance(value, dict):  # serialized AddedToken
+                value = value.get("content")
+            return backend.token_to_id(value) if isinstance(value, str) else None
+
+        bos, eos = special_id("bos_token"), special_id("eos_token")
+        if "add_bos_token" in config or "add_eos_token" in config:
+            # An explicit flag overrides whatever the tokenizer.json post-processor does.
+            add_bos = config.get("add_bos_token") and bos is not None
+            add_eos = config.get("add_eos_token") and eos is not None
+            _set_bos_eos(
+                backend,
+                backend.id_to_token(bos) if add_bos and bos is not None else None,
+                backend.id_to_token(eos) if add_eos and eos is not None else None,
+            )
+        ends = [eos] if eos is not None else []
+        gen_eos = gen_config.get("eos_token_id")
+        ends += gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
+        pad = special_id("pad_token")
+        if pad is None and isinstance(gen_config.get("pad_token_id"), int):
+            pad = gen_config["pad_token_id"]
+        if bos is None and isinstance(gen_config.get("bos_token_id"), int):
+            bos = gen_config["bos_token_id"]
+        return cls(
+            backend,
+            bos_token_id=bos,
+            eos_token_ids=[int(i) for i in ends],
+            pad_token_id=pad,
+            unk_token_id=special_id("unk_token"),
+            chat_template=_hf_chat_template(path, config),
+        )
+
+    # --- text <-> ids --------------------------------------------------------------------
+    @property
+    def backend(self) -> HFTokenizer:
+        """The underlying `tokenizers.Tokenizer` (e.g. to save it as tokenizer.json)."""
+        return self._backend
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else None
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; BOS (EOS) only if the model asks for it and add_special_tokens.
+
+        Special tokens written in the text (``<|im_start|>``) always become their single id,
+        as in transformers.
+        """
+        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; bytes that are not valid UTF-8 come out as U+FFFD."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str | None:
+        """The vocabulary entry for id `i` as stored (byte-level or ▁-spelled), None if unknown."""
+        return self._backend.id_to_token(i)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    # --- chat ----------------------------------------------------------------------------
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        **template_vars: Any,
+    ) -> str:
+        """Render the model's jinja2 chat template (sandboxed), as transformers does.
+
+        `template_vars` reach the template too (e.g. ``tools=[...]``, ``enable_thinking=False``).
+        """
+        if not self.chat_template:
+            raise KvloopError(
+                "this model has no chat template (tokenizer.chat_template); "
+                "send a plain-text prompt instead of chat messages"
+            )
+        def text_of(i: int | None) -> str:
+            return (self.id_to_token(i) or "") if i is not None else ""
+
+        context: dict[str, Any] = {
+            "bos_token": text_of(self.bos_token_id),
+            "eos_token": text_of(self.eos_token_ids[0] if self.eos_token_ids else None),
+            "unk_token": text_of(self.unk_token_id),
+            "pad_token": text_of(self.pad_token_id),
+            "tools": None,
+            "documents": None,
+            **template_vars,
+        }
+        try:
+            template = _compile_template(self.chat_template)
+            return template.render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                **context,
+            )
+        except jinja2.TemplateError as e:
+            # raise_exception() in templates reports bad conversations ("roles must alternate").
+            raise KvloopError(f"chat template error: {e}") from e
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Template, then encode without the automatic BOS: templates that want a BOS write
+        it themselves. If the model needs one and the template did not write it, add it."""
+        ids = self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+        if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(vocab_size={self.vocab_size}, bos={self.bos_token_id}, "
+            f"eos={self.eos_token_ids}, add_bos={self.add_bos_token})"
+        )
+
+
+# --- GGUF builders ---------------------------------------------------------------------------
+def _merge_pairs(merges: Iterable[str]) -> list[tuple[str, str]]:
+    pairs = []
+    for merge in merges:
+        parts = str(merge).split(" ")
+        if len(parts) != 2:
+            raise ModelLoadError(f"malformed merge {merge!r} in tokenizer.ggml.merges")
+        pairs.append((parts[0], parts[1]))
+    return pairs
+
+
+def _added_tokens(tokens: Sequence[str], types: Sequence[int]) -> list[AddedToken]:
+    """CONTROL tokens (``<|im_end|>``) become special added tokens: matched whole in text and
+    dropped by decode(skip_special_tokens=True). USER_DEFINED ones (``<think>``) are matched
+    whole too (llama.cpp always does) but are ordinary text when decoding."""
+    return [
+        AddedToken(tok, special=kind == _CONTROL, normalized=False)
+        for tok, kind in zip(tokens, types, strict=False)
+        if kind in (_CONTROL, _USER_DEFINED)
+    ]
+
+
+def _byte_level_bpe(
+    tokens: Sequence[str], types: Sequence[int], metadata: Mapping[str, Any]
+) -> HFTokenizer:
+    alphabet = _byte_alphabet()
+    spelled = set(alphabet.values())
+    vocab: dict[str, int] = {}
+    for i, (tok, kind) in enumerate(zip(tokens, types, strict=False)):
+        if kind == _NORMAL and not set(tok) <= spelled:
+            # A normal token written in plain UTF-8 (rare converters): respell it in the byte
+            # alphabet so BPE can reach it. Added tokens keep their text: they are matched raw.
+            tok = "".join(alphabet[b] for b in tok.encode("utf-8"))
+        vocab.setdefault(tok, i)
+    pre = str(metadata.get("tokenizer.ggml.pre", "default"))
+    splits = _PRE_SPLITS.get(pre)
+    if splits is None:
+        logger.warning("unknown tokenizer.ggml.pre %r: splitting text like GPT-2", pre)
+        splits = (_GPT2,)
+    backend = HFTokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=_merge_pairs(metadata.get("tokenizer.ggml.merges") or ()),
+            ignore_merges=pre in _IGNORE_MERGES,
+        )
+    )
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    backend.decoder = decoders.ByteLevel()
+    backend.add_tokens(_added_tokens(tokens, types))
+    return backend
+
+
+def _sentencepiece_bpe(
+    tokens: Sequence[str], types: Sequence[int], metadata: Mapping[str, Any], unk: int | None
+) -> HFTokenizer:
+    """SentencePiece BPE (spaces spelled ▁, unknown characters as <0xXX> byte tokens)."""
+    arch = str(metadata.get("general.architecture", ""))
+    gemma = arch.startswith("gemma")
+    if gemma:
+        # Gemma stores its runs-of-spaces tokens with real spaces; the text side sees ▁.
+        tokens = ["▁" * len(t) if t and not t.strip(" ") else t for t in tokens]
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    if metadata.get("tokenizer.ggml.merges"):
+        merges = _merge_pairs(metadata["tokenizer.ggml.merges"])
+    else:
+        # SentencePiece merges the adjacent pair whose result scores best, so ranking every
+        # (left, right) split of each token by that token's score gives the same BPE.
+        # Gemma's scores do not follow its merge order; its file order does.
+        scores = (
+            [-float(i) for i in range(len(tokens))]
+            if gemma
+            else [float(s) for s in metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)]
+        )
+        merges = _derive_merges(tokens, types, scores, vocab)
+    unk_token = tokens[unk] if unk is not None else None
+    backend = HFTokenizer(
+        models.BPE(
+            vocab=vocab, merges=merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True
+        )
+    )
+    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", not gemma))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme="first" if prefix else "never", split=False
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if prefix:  # undo the space the pre-tokenizer put in front
+        steps.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(steps)
+    backend.add_tokens(_added_tokens(tokens, types))
+    return backend
+
+
+def _derive_merges(
+    tokens: Sequence[str], types: Sequence[int], scores: Sequence[float], vocab: Mapping[str, int]
+) -> list[tuple[str, str]]:
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for tok, kind, score in zip(tokens, types, scores, strict=False):
+        if kind not in (_NORMAL, _USER_DEFINED) or len(tok) < 2:
+            continue
+        for cut in range(1, len(tok)):
+            left, right = tok[:cut], tok[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-score, -len(left), -len(right), left, right))
+    ranked.sort(key=lambda m: m[:3])  # stable: ties keep vocabulary order
+    return [(m[3], m[4]) for m in ranked]
+
+
+def _set_bos_eos(backend: HFTokenizer, bos: str | None, eos: str | None) -> None:
+    """Make encode(add_special_tokens=True) add BOS/EOS through the post-processor."""
+    if bos is None and eos is None:
+        backend.post_processor = None
+        return
+
+    def special(token: str | None, type_id: int) -> list[dict[str, Any]]:
+        return [{"SpecialToken": {"id": token, "type_id": type_id}}] if token else []
+
+    def seq(name: str, type_id: int) -> list[dict[str, Any]]:
+        return [{"Sequence": {"id": name, "type_id": type_id}}]
+
+    # Written as tokenizer.json would spell it: the Python constructor's "token:type_id"
+    # strings cannot name a token that itself contains ':'.
+    spec = {
+        "type": "TemplateProcessing",
+        "single": [*special(bos, 0), *seq("A", 0), *special(eos, 0)],
+        "pair": [
+            *special(bos, 0), *seq("A", 0), *special(eos, 0),
+            *special(bos, 1), *seq("B", 1), *special(eos, 1),
+        ],
+        "special_tokens": {
+            t: {"id": t, "ids": [backend.token_to_id(t)], "tokens": [t]}
+            for t in dict.fromkeys(filter(None, (bos, eos)))
+        },
+    }
+    processor = processors.TemplateProcessing(single="$A", special_tokens=[])
+    processor.__setstate__(json.dumps(spec).encode())
+    backend.post_processor = processor
+
+
+# --- HF directory helpers ---------------------------------------------------------------------
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from e
+    return data if isinstance(data, dict) else {}
+
+
+def _hf_chat_template(path: Path, config: Mapping[str, Any]) -> str | None:
+    """The chat template, wherever this transformers version saved it."""
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = _read_json(path / "chat_template.json").get("chat_template") or config.get(
+        "chat_template"
+    )
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+    return template if isinstance(template, str) else None
+
+
+# --- chat template rendering ------------------------------------------------------------------
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, sort_keys: bool = False
+) -> str:
+    # jinja's own tojson HTML-escapes (<, >, &), which would change the prompt text.
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@cache
+def _compile_template(source: str) -> jinja2.Template:
+    # Templates come from model files: untrusted code, hence the immutable sandbox.
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)

@@ -1,0 +1,85 @@
+"""Attention over a paged KV cache, and the per-step metadata that describes the batch.
+
+The cache of one layer is a tensor ``[2, num_slots, kv_heads, head_dim]`` (K then V), where
+``num_slots = num_blocks * block_size`` and block ``b`` owns slots ``b*block_size ..``.
+A step's tokens are flattened (no padding): first one token per decoding sequence, then the
+prompt chunks being prefilled. Decode rows are attended in one batched call; each prefill
+chunk in its own call (causal within the chunk, over everything cached before it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSegment:
+    q_start: int  # first row of this chunk in the step's flattened tokens
+    q_len: int
+    # Flat cache slots of the whole context (cached prefix + this chunk), or None when the
+    # chunk is the whole context: then it attends to its own fresh K/V, no gather needed.
+    kv_index: torch.Tensor | None = None  # [ctx_len] int64
+    mask: torch.Tensor | None = None  # [q_len, ctx_len] bool, causal with the prefix offset
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about one step; built once by the runner, read by all layers."""
+
+    num_decodes: int = 0  # rows [0, num_decodes) are one-token decode rows
+    prefills: list[PrefillSegment] = field(default_factory=list)
+    slot_mapping: torch.Tensor | None = None  # [T] int64 slot per new token; None: no cache
+    decode_kv_index: torch.Tensor | None = None  # [B, S] int64, context slots per decode row
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, S] bool; None when no row is padded
+
+
+def causal_prefix_mask(q_len: int, ctx_len: int) -> torch.Tensor:
+    """[q_len, ctx_len] bool: query i (position ctx_len - q_len + i) sees keys up to its own."""
+    offset = ctx_len - q_len
+    rows = torch.arange(q_len).unsqueeze(1) + offset
+    return torch.arange(ctx_len).unsqueeze(0) <= rows
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor | None,  # [2, slots, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    if kv_cache is not None and meta.slot_mapping is not None:
+        kv_cache[0].index_copy_(0, meta.slot_mapping, k)
+        kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+
+    out = torch.empty_like(q)
+    n = meta.num_decodes
+    if n:
+        assert kv_cache is not None and meta.decode_kv_index is not None
+        keys = kv_cache[0][meta.decode_kv_index].transpose(1, 2)  # [B, Hkv, S, D]
+        values = kv_cache[1][meta.decode_kv_index].transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q[:n].unsqueeze(2), keys, values,  # q: [B, H, 1, D]
+            attn_mask=meta.decode_mask, scale=scale, enable_gqa=True,
+        )
+        out[:n] = o.squeeze(2)
+    for seg in meta.prefills:
+        rows = slice(seg.q_start, seg.q_start + seg.q_len)
+        qs = q[rows].transpose(0, 1)  # [H, L, D]
+        if seg.kv_index is None:
+            ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [Hkv, L, D]
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
+            )
+        else:
+            assert kv_cache is not None
+            ks = kv_cache[0][seg.kv_index].transpose(0, 1)  # [Hkv, ctx, D]
+            vs = kv_cache[1][seg.kv_index].transpose(0, 1)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=seg.mask, scale=scale, enable_gqa=True
+            )
+        out[rows] = o.transpose(0, 1)
+    return out

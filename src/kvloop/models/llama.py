@@ -1,0 +1,182 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral-style, Qwen2 with q/k/v biases) in PyTorch.
+
+A model maps (token ids, positions, attention metadata, KV caches) to hidden states, and
+hidden states at the sampled rows to logits. It knows nothing of requests or scheduling.
+Weights use the HF layout; Q/K/V and gate/up are fused into one matmul each, because at
+decode every extra kernel launch and weight pass is pure overhead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvloop.config import ModelConfig
+from kvloop.models.attention import AttentionMetadata, paged_attention
+from kvloop.models.rope import RotaryEmbedding
+
+
+def _param(*shape: int) -> nn.Parameter:
+    # Uninitialised: every parameter is overwritten by load_weights.
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = _param(dim)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(var + self.eps))
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.qkv_weight = _param(self.q_size + 2 * self.kv_size, config.hidden_size)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if config.attention_bias else None
+        self.o_weight = _param(config.hidden_size, self.q_size)
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        rope: RotaryEmbedding,
+        positions: torch.Tensor,  # [T]
+        kv_cache: torch.Tensor | None,  # [2, slots, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, q + 2kv]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        T = x.shape[0]
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        q, k = rope(positions, q, k)
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
+        return F.linear(o.reshape(T, self.q_size), self.o_weight)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.inter = config.intermediate_size
+        self.gate_up_weight = _param(2 * self.inter, config.hidden_size)
+        self.down_weight = _param(config.hidden_size, self.inter)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_weight).split(self.inter, dim=-1)  # [T, I] each
+        return F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: RotaryEmbedding,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, positions, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = _param(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else _param(
+            config.vocab_size, config.hidden_size
+        )
+        self.rope = RotaryEmbedding(config)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor] | None = None,  # one [2, slots, Hkv, D] per layer
+    ) -> torch.Tensor:  # [T, hidden], final-normed
+        x = F.embedding(input_ids, self.embed_tokens)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, self.rope, positions, None if kv_caches is None else kv_caches[i], meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, head)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up as they arrive."""
+        c = self.config
+        loaded: set[str] = set()
+        qkv_rows = {"q_proj": (0, c.q_size), "k_proj": (c.q_size, c.kv_size),
+                    "v_proj": (c.q_size + c.kv_size, c.kv_size)}
+        for name, w in weights:
+            if name == "model.rope_freqs":
+                self.rope.scale_by(w)
+                continue
+            if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+                target = {"model.embed_tokens.weight": self.embed_tokens,
+                          "model.norm.weight": self.norm.weight,
+                          "lm_head.weight": self.lm_head}[name]
+                if target is None:  # lm_head stored although tied: ignore the copy
+                    continue
+                target.copy_(w)
+                loaded.add(name)
+                continue
+            parts = name.split(".")
+            if parts[:2] != ["model", "layers"] or len(parts) < 5:
+                continue  # rotary caches and other tensors kvloop computes itself
+            layer = cast(DecoderLayer, self.layers[int(parts[2])])
+            module, leaf = parts[4] if len(parts) > 5 else parts[3], parts[-1]
+            attn, mlp = layer.self_attn, layer.mlp
+            if module in qkv_rows:
+                start, size = qkv_rows[module]
+                dest = attn.qkv_weight if leaf == "weight" else attn.qkv_bias
+                if dest is None:
+                    raise ValueError(f"unexpected bias {name} for a model without attention bias")
+                dest[start:start + size].copy_(w)
+            elif module == "o_proj":
+                attn.o_weight.copy_(w)
+            elif module == "gate_proj":
+                mlp.gate_up_weight[: mlp.inter].copy_(w)
+            elif module == "up_proj":
+                mlp.gate_up_weight[mlp.inter:].copy_(w)
+            elif module == "down_proj":
+                mlp.down_weight.copy_(w)
+            elif module == "input_layernorm":
+                layer.input_layernorm.weight.copy_(w)
+            elif module == "post_attention_layernorm":
+                layer.post_attention_layernorm.weight.copy_(w)
+            else:
+                continue
+            loaded.add(name)
+        expected = 2 + (0 if c.tie_word_embeddings else 1) + c.num_layers * (
+            9 + (3 if c.attention_bias else 0)
+        )
+        if len(loaded) != expected:
+            raise ValueError(
+                f"checkpoint has {len(loaded)} of the {expected} tensors this model needs"
+            )

@@ -1,0 +1,65 @@
+"""Rotary position embeddings (HF rotate-half layout), with linear and Llama-3 scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvloop.config import ModelConfig
+
+
+def inv_frequencies(config: ModelConfig) -> torch.Tensor:  # [head_dim / 2]
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_ctx = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        mid = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        inv_freq = torch.where(mid, blended, scaled)
+    elif kind not in ("default",):
+        raise ValueError(f"unsupported rope scaling type {kind!r}")
+    return inv_freq
+
+
+class RotaryEmbedding(torch.nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.inv_freq = inv_frequencies(config)
+        self._build(config.max_position_embeddings)
+
+    def _build(self, max_positions: int) -> None:
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, self.inv_freq)  # [P, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+        self.cos, self.sin = emb.cos(), emb.sin()
+
+    def scale_by(self, rope_freqs: torch.Tensor) -> None:
+        """GGUF `rope_freqs`: per-frequency divisors llama.cpp stores for Llama-3 scaling."""
+        self.inv_freq = self.inv_freq / rope_freqs.float()
+        self._build(self.cos.shape[0])
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, H, D], k: [T, Hkv, D]
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

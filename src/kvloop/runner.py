@@ -1,0 +1,145 @@
+"""The runner executes what the scheduler decided: SchedulerOutput -> tensors -> model ->
+sampler. It owns the KV-cache tensors and the per-request random generators, and never
+decides who runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvloop.batch import ScheduledSeq, SchedulerOutput
+from kvloop.models import AttentionMetadata, LlamaForCausalLM, PrefillSegment
+from kvloop.models.attention import causal_prefix_mask
+from kvloop.sampling import Sampler, SamplingRow
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, SampledToken]  # only sequences whose step ends in a sample
+    num_tokens: int  # positions the model processed this step
+
+
+def kv_cache_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int,
+                             block_size: int, dtype: torch.dtype = torch.float32) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int,
+                 use_cache: bool = True) -> None:
+        self.model = model
+        self.block_size = block_size
+        c = model.config
+        # One [2, slots, kv_heads, head_dim] tensor per layer; slot = block * block_size + offset.
+        self.kv_caches: list[torch.Tensor] | None = (
+            [torch.zeros(2, num_blocks * block_size, c.num_kv_heads, c.head_dim)
+             for _ in range(c.num_layers)]
+            if use_cache else None
+        )
+        self.sampler = Sampler()
+        self._generators: dict[str, torch.Generator] = {}
+
+    # -- per-request state ------------------------------------------------------------------
+    def _generator(self, seq: ScheduledSeq) -> torch.Generator | None:
+        if seq.params.seed is None:
+            return None
+        g = self._generators.get(seq.request_id)
+        if g is None:
+            g = self._generators[seq.request_id] = torch.Generator().manual_seed(seq.params.seed)
+        return g
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate whole blocks (src -> dst) in every layer."""
+        if not pairs or self.kv_caches is None:
+            return
+        bs = self.block_size
+        src = torch.cat([torch.arange(s * bs, (s + 1) * bs) for s, _ in pairs])
+        dst = torch.cat([torch.arange(d * bs, (d + 1) * bs) for _, d in pairs])
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
+
+    # -- the step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        for rid in sched.finished_ids:
+            self._generators.pop(rid, None)
+        seqs = sched.decodes + sched.prefills
+        token_ids: list[int] = []
+        positions: list[int] = []
+        for s in seqs:
+            token_ids.extend(s.token_ids)
+            positions.extend(range(s.start_pos, s.context_len))
+        input_ids = torch.tensor(token_ids, dtype=torch.long)  # [T]
+        pos = torch.tensor(positions, dtype=torch.long)  # [T]
+        meta = self._metadata(sched, pos)
+
+        hidden = self.model(input_ids, pos, meta, self.kv_caches)  # [T, hidden]
+
+        # Logits only where a token is sampled: each sequence's last row, if it samples.
+        sample_rows, sampling = [], []
+        row = 0
+        for s in seqs:
+            row += s.num_tokens
+            if s.sample:
+                sample_rows.append(row - 1)
+                sampling.append(s)
+        if not sampling:
+            return RunnerOutput({}, len(token_ids))
+        logits = self.model.compute_logits(hidden[sample_rows])  # [N, V]
+        rows = [SamplingRow(s.params, s.prompt_ids, s.output_ids, self._generator(s),
+                            s.suppress_ids) for s in sampling]
+        out = self.sampler(logits, rows)
+        ids, lps = out.token_ids.tolist(), out.logprobs.tolist()
+        sampled = {
+            s.request_id: SampledToken(ids[i], lps[i], out.top_logprobs[i])
+            for i, s in enumerate(sampling)
+        }
+        return RunnerOutput(sampled, len(token_ids))
+
+    def _metadata(self, sched: SchedulerOutput, pos: torch.Tensor) -> AttentionMetadata:
+        meta = AttentionMetadata(num_decodes=len(sched.decodes))
+        if not sched.use_cache:  # recompute mode: each sequence attends to its own fresh K/V
+            start = 0
+            for s in sched.prefills:
+                meta.prefills.append(PrefillSegment(start, s.num_tokens))
+                start += s.num_tokens
+            return meta
+
+        bs = self.block_size
+        seqs = sched.decodes + sched.prefills
+        # Padded block tables: [num_seqs, max_blocks]
+        max_blocks = max(len(s.block_ids) for s in seqs)
+        tables = torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in seqs],
+                              dtype=torch.long)
+        seq_of_row = torch.repeat_interleave(
+            torch.arange(len(seqs)), torch.tensor([s.num_tokens for s in seqs]))  # [T]
+        meta.slot_mapping = tables[seq_of_row, pos // bs] * bs + pos % bs  # [T]
+
+        if sched.decodes:
+            n = len(sched.decodes)
+            ctx = torch.tensor([s.context_len for s in sched.decodes])  # [B]
+            S = int(ctx.max())
+            slots = (tables[:n, :, None] * bs + torch.arange(bs)).view(n, -1)[:, :S]  # [B, S]
+            meta.decode_kv_index = slots
+            if int(ctx.min()) != S:
+                meta.decode_mask = (torch.arange(S) < ctx[:, None]).view(n, 1, 1, S)
+
+        start = len(sched.decodes)
+        for i, s in enumerate(sched.prefills, start=len(sched.decodes)):
+            seg = PrefillSegment(start, s.num_tokens)
+            if s.start_pos > 0:  # prefix cached or an earlier chunk: attend to the cache
+                ctx_len = s.context_len
+                seg.kv_index = (tables[i, :, None] * bs + torch.arange(bs)).view(-1)[:ctx_len]
+                seg.mask = causal_prefix_mask(s.num_tokens, ctx_len)
+            meta.prefills.append(seg)
+            start += s.num_tokens
+        return meta

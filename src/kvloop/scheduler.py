@@ -1,0 +1,196 @@
+"""The scheduler decides, each step, which requests run and how many tokens each.
+
+A token budget per step (`max_num_batched_tokens`) is spent first on running requests
+(one decode token each, or the next chunk of a prompt being prefilled), then on admitting
+waiting requests, whose prompts may be prefilled in chunks across several steps. When the
+KV cache runs out of blocks, the lowest-priority, newest running request is preempted: its
+blocks are freed and it goes back to the front of the queue, to be recomputed later (its
+generated tokens are kept, so nothing is lost).
+
+Why preemption cannot livelock: the victim is always the newest (by priority, then
+arrival) running request, so the oldest one always progresses; a preempted request resumes
+before any later arrival; and no new request is admitted in a step that had to preempt.
+
+No tensors here (see batch.py for what the runner receives).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvloop.batch import ScheduledSeq, SchedulerOutput
+from kvloop.errors import PromptTooLongError
+from kvloop.kv_cache import KVCacheManager, KVCacheStats
+from kvloop.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    use_cache: bool = True
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv: KVCacheStats
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------------
+    def check_fits(self, request: Request) -> None:
+        """Refuse, at admission, a request that could never fit the whole cache."""
+        if self.config.use_cache:
+            # One more block than the prompt needs: it must hold the first generated token.
+            need = self.kv.num_blocks_for(request.num_tokens + 1)
+            if need > self.kv.pool.num_blocks:
+                raise PromptTooLongError(
+                    f"prompt of {request.num_tokens} tokens needs {need} KV blocks but the whole "
+                    f"cache has {self.kv.pool.num_blocks}; raise kv_cache_memory"
+                )
+
+    def add_request(self, request: Request) -> None:
+        self.check_fits(request)
+        self.requests[request.request_id] = request
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        """Waiting queue ordered by (priority, arrival); a preempted request goes first."""
+        if front:
+            self.waiting.appendleft(request)
+            return
+        i = len(self.waiting)
+        while i > 0 and self.waiting[i - 1].priority > request.priority:
+            i -= 1
+        self.waiting.insert(i, request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """Mark requests finished (stop, length or abort) and free their blocks."""
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            req.status = status
+            self.kv.free(rid)
+            self._finished_ids.append(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.stats(),
+                              self.num_preemptions)
+
+    # -- the step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(use_cache=self.config.use_cache)
+        out.finished_ids, self._finished_ids = self._finished_ids, []
+        budget = self.config.max_num_batched_tokens
+        if not self.config.use_cache:
+            return self._schedule_recompute(out, budget)
+
+        # 1. Running requests: a decode token, or the next chunk of an unfinished prefill.
+        scheduled: list[Request] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req, n):
+                victim = self._pick_victim(self.running[i:])
+                self._preempt(victim)
+                preempted = True
+                out.num_preempted += 1
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted itself: the list shrank, i already points past it
+            scheduled.append(req)
+            budget -= n
+            self._add_to_output(out, req, n)
+            i += 1
+
+        # 2. Waiting requests, in queue order, while budget, seats and blocks allow.
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting[0]
+            prefix = []
+            if req.num_computed_tokens == 0:
+                prefix = self.kv.find_cached_prefix(req)
+                req.num_computed_tokens = len(prefix) * self.kv.block_size
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.allocate(req, n, prefix, admitting=True):
+                req.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            if req.status == RequestStatus.WAITING:  # first admission (not a resume)
+                self.kv.record_prefix_lookup(req.num_prompt_tokens, req.num_computed_tokens)
+                req.metrics.num_cached_tokens = req.num_computed_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            budget -= n
+            self._add_to_output(out, req, n)
+        return out
+
+    def _add_to_output(self, out: SchedulerOutput, req: Request, n: int) -> None:
+        start = req.num_computed_tokens
+        seq = ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=req.token_slice(start, start + n),
+            start_pos=start,
+            block_ids=self.kv.block_ids(req.request_id),
+            sample=start + n == req.num_tokens,
+            params=req.params,
+            prompt_ids=req.prompt_token_ids,
+            output_ids=req.output_token_ids,
+            suppress_ids=req.suppressed_token_ids(),
+        )
+        (out.decodes if n == 1 and start > 0 else out.prefills).append(seq)
+        req.num_computed_tokens += n
+        req.metrics.positions_processed += n
+        self.kv.cache_full_blocks(req)
+
+    @staticmethod
+    def _pick_victim(candidates: list[Request]) -> Request:
+        # Only requests not yet scheduled this step; lowest priority (largest number)
+        # first, newest arrival among equals.
+        return max(reversed(candidates), key=lambda r: (r.priority, r.metrics.arrival_time))
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self._enqueue(req, front=True)
+
+    def _schedule_recompute(self, out: SchedulerOutput, budget: int) -> SchedulerOutput:
+        """No KV cache: every step re-runs each sequence's whole history (the textbook
+        illustration of what the cache saves). One sequence at a time."""
+        if not self.running and self.waiting:
+            req = self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        for req in self.running:
+            req.num_computed_tokens = 0
+            self._add_to_output(out, req, req.num_tokens)
+        return out

@@ -1,0 +1,85 @@
+"""Shared fixtures: the default model (GGUF) and tiny random models written as HF dirs."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvloop.loading.loader import DEFAULT_MODEL_FILE, default_model_path
+
+torch.set_num_threads(os.cpu_count() or 1)
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_default(default_gguf: Path):
+    """transformers' own load of the same GGUF file, fp32: the oracle."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d, f = str(default_gguf.parent), DEFAULT_MODEL_FILE
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def kv_default():
+    from kvloop import LLM
+
+    return LLM()
+
+
+def _train_tokenizer(path: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    text = ["The quick brown fox jumps over the lazy dog. " * 3,
+            "def f(x):\n    return x * 2\n", "Caf\u00e9 na\u00efve \u4f60\u597d 12345"] * 20
+    tok.train_from_iterator(text, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True,
+        "chat_template": "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n"
+                         "{% endfor %}{% if add_generation_prompt %}<s>assistant:{% endif %}",
+    }))
+
+
+def write_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A random Llama-family model saved by transformers (config.json + safetensors)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+               rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+               bos_token_id=0, eos_token_id=1)
+    cfg.update(overrides)
+    config = AutoConfig.for_model(model_type, **cfg)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # larger weights than the init: sharper, less tie-prone logits
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    _train_tokenizer(path, cfg["vocab_size"])
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
