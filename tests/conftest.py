@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvloop.loading.loader import DEFAULT_MODEL_FILE, default_model_path
-
-torch.set_num_threads(os.cpu_count() or 1)
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from kvloop.errors import KvloopError
 from kvloop.params import SamplingParams
@@ -49,8 +49,15 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one `kvloop: error:` line like every other."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"kvloop: error: {message} (see kvloop {self.prog.split()[-1]} -h)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvloop", description="LLM inference on the CPU.")
+    parser = _Parser(prog="kvloop", description="LLM inference on the CPU.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a reply to one prompt, streamed")

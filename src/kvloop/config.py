@@ -73,4 +73,6 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context
     num_threads: int | None = None
     dtype: str = "float32"
+    # Reorder linear weights for oneDNN (faster); False keeps F.linear, the reference path.
+    pack_weights: bool = True
     extra: dict = field(default_factory=dict)

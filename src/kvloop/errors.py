@@ -15,4 +15,5 @@ class InvalidParamsError(KvloopError):
 
 
 class PromptTooLongError(KvloopError):
-    """The prompt (plus the tokens asked for) does not fit the model's context or the KV cache."""
+    """The prompt does not fit the model's context (or, where asked, prompt + max_tokens
+    does not), or could never fit the KV cache."""

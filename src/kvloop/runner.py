@@ -39,9 +39,9 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         c = model.config
-        # One [2, slots, kv_heads, head_dim] tensor per layer; slot = block * block_size + offset.
+        # One [2, kv_heads, slots, head_dim] tensor per layer; slot = block * block_size + offset.
         self.kv_caches: list[torch.Tensor] | None = (
-            [torch.zeros(2, num_blocks * block_size, c.num_kv_heads, c.head_dim)
+            [torch.zeros(2, c.num_kv_heads, num_blocks * block_size, c.head_dim)
              for _ in range(c.num_layers)]
             if use_cache else None
         )
@@ -65,7 +65,7 @@ class ModelRunner:
         src = torch.cat([torch.arange(s * bs, (s + 1) * bs) for s, _ in pairs])
         dst = torch.cat([torch.arange(d * bs, (d + 1) * bs) for _, d in pairs])
         for cache in self.kv_caches:
-            cache[:, dst] = cache[:, src]
+            cache[:, :, dst] = cache[:, :, src]
 
     # -- the step ---------------------------------------------------------------------------
     @torch.inference_mode()

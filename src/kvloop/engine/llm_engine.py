@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -51,9 +50,11 @@ class _Group:
         return all(s.request.is_finished for s in self.seqs)
 
 
-def load_model(checkpoint: Checkpoint) -> LlamaForCausalLM:
+def load_model(checkpoint: Checkpoint, pack: bool = True) -> LlamaForCausalLM:
     model = build_model(checkpoint.config)
     model.load_weights(checkpoint.weights())
+    if pack:
+        model.pack_weights()
     return model.eval()
 
 
@@ -61,11 +62,15 @@ class LLMEngine:
     def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None,
                  checkpoint: Checkpoint | None = None) -> None:
         self.config = config or EngineConfig()
-        torch.set_num_threads(self.config.num_threads or os.cpu_count() or 1)
+        threads = self.config.num_threads
+        # Only when asked: re-setting the count after torch has run an op (even to the same
+        # value) was measured to slow SDPA calls from ~15 us to ~8 ms for a while.
+        if threads and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
         self.checkpoint = checkpoint or load_checkpoint(model)
         self.model_config: ModelConfig = self.checkpoint.config
         self.tokenizer: Tokenizer = self.checkpoint.tokenizer
-        self.model = load_model(self.checkpoint)
+        self.model = load_model(self.checkpoint, self.config.pack_weights)
         c, ec = self.model_config, self.config
         self.max_model_len = min(ec.max_model_len or c.max_position_embeddings,
                                  c.max_position_embeddings)

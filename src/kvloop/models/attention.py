@@ -1,7 +1,11 @@
 """Attention over a paged KV cache, and the per-step metadata that describes the batch.
 
-The cache of one layer is a tensor ``[2, num_slots, kv_heads, head_dim]`` (K then V), where
+The cache of one layer is a tensor ``[2, kv_heads, num_slots, head_dim]`` (K then V), where
 ``num_slots = num_blocks * block_size`` and block ``b`` owns slots ``b*block_size ..``.
+Heads lead so that gathering a sequence's slots yields ``[kv_heads, S, head_dim]`` already
+contiguous: SDPA's CPU kernels are many times slower on strided K/V, so the layout is
+chosen to make the one gather per layer also the only copy.
+
 A step's tokens are flattened (no padding): first one token per decoding sequence, then the
 prompt chunks being prefilled. Decode rows are attended in one batched call; each prefill
 chunk in its own call (causal within the chunk, over everything cached before it).
@@ -43,24 +47,32 @@ def causal_prefix_mask(q_len: int, ctx_len: int) -> torch.Tensor:
     return torch.arange(ctx_len).unsqueeze(0) <= rows
 
 
+def _gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """cache [Hkv, slots, D], index [B, S] -> [B, Hkv, S, D], contiguous, in one copy."""
+    B, S = index.shape
+    return cache.index_select(1, index.reshape(-1)).view(-1, B, S, cache.shape[-1]).transpose(0, 1)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
-    kv_cache: torch.Tensor | None,  # [2, slots, Hkv, D]
+    kv_cache: torch.Tensor | None,  # [2, Hkv, slots, D]
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:  # [T, H, D]
     if kv_cache is not None and meta.slot_mapping is not None:
-        kv_cache[0].index_copy_(0, meta.slot_mapping, k)
-        kv_cache[1].index_copy_(0, meta.slot_mapping, v)
+        kv_cache[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        kv_cache[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
     out = torch.empty_like(q)
     n = meta.num_decodes
     if n:
         assert kv_cache is not None and meta.decode_kv_index is not None
-        keys = kv_cache[0][meta.decode_kv_index].transpose(1, 2)  # [B, Hkv, S, D]
-        values = kv_cache[1][meta.decode_kv_index].transpose(1, 2)
+        keys = _gather(kv_cache[0], meta.decode_kv_index)  # [B, Hkv, S, D]
+        values = _gather(kv_cache[1], meta.decode_kv_index)
+        if n > 1:  # batch-major for SDPA; for one row the transpose is already a no-op view
+            keys, values = keys.contiguous(), values.contiguous()
         o = F.scaled_dot_product_attention(
             q[:n].unsqueeze(2), keys, values,  # q: [B, H, 1, D]
             attn_mask=meta.decode_mask, scale=scale, enable_gqa=True,
@@ -68,18 +80,19 @@ def paged_attention(
         out[:n] = o.squeeze(2)
     for seg in meta.prefills:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
-        qs = q[rows].transpose(0, 1)  # [H, L, D]
+        qs = q[rows].transpose(0, 1).contiguous().unsqueeze(0)  # [1, H, L, D]
         if seg.kv_index is None:
-            ks, vs = k[rows].transpose(0, 1), v[rows].transpose(0, 1)  # [Hkv, L, D]
+            ks = k[rows].transpose(0, 1).contiguous().unsqueeze(0)  # [1, Hkv, L, D]
+            vs = v[rows].transpose(0, 1).contiguous().unsqueeze(0)
             o = F.scaled_dot_product_attention(
                 qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
             )
         else:
             assert kv_cache is not None
-            ks = kv_cache[0][seg.kv_index].transpose(0, 1)  # [Hkv, ctx, D]
-            vs = kv_cache[1][seg.kv_index].transpose(0, 1)
+            ks = _gather(kv_cache[0], seg.kv_index.unsqueeze(0))  # [1, Hkv, ctx, D]
+            vs = _gather(kv_cache[1], seg.kv_index.unsqueeze(0))
             o = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=seg.mask, scale=scale, enable_gqa=True
             )
-        out[rows] = o.transpose(0, 1)
+        out[rows] = o[0].transpose(0, 1)
     return out

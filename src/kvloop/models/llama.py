@@ -17,6 +17,7 @@ from torch import nn
 
 from kvloop.config import ModelConfig
 from kvloop.models.attention import AttentionMetadata, paged_attention
+from kvloop.models.linear import Linear
 from kvloop.models.rope import RotaryEmbedding
 
 
@@ -42,9 +43,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_weight = _param(self.q_size + 2 * self.kv_size, config.hidden_size)
-        self.qkv_bias = _param(self.q_size + 2 * self.kv_size) if config.attention_bias else None
-        self.o_weight = _param(config.hidden_size, self.q_size)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
+                               bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size)
         self.scale = self.head_dim**-0.5
 
     def forward(
@@ -52,10 +53,10 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [T, hidden]
         rope: RotaryEmbedding,
         positions: torch.Tensor,  # [T]
-        kv_cache: torch.Tensor | None,  # [2, slots, Hkv, D]
+        kv_cache: torch.Tensor | None,  # [2, Hkv, slots, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, q + 2kv]
+        qkv = self.qkv_proj(x)  # [T, q + 2kv]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         T = x.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
@@ -63,19 +64,19 @@ class Attention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
         o = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
-        return F.linear(o.reshape(T, self.q_size), self.o_weight)
+        return self.o_proj(o.reshape(T, self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.inter = config.intermediate_size
-        self.gate_up_weight = _param(2 * self.inter, config.hidden_size)
-        self.down_weight = _param(config.hidden_size, self.inter)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter)
+        self.down_proj = Linear(self.inter, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).split(self.inter, dim=-1)  # [T, I] each
-        return F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -105,9 +106,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = _param(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else _param(
-            config.vocab_size, config.hidden_size
-        )
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.rope = RotaryEmbedding(config)
 
     def forward(
@@ -115,7 +114,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
-        kv_caches: list[torch.Tensor] | None = None,  # one [2, slots, Hkv, D] per layer
+        kv_caches: list[torch.Tensor] | None = None,  # one [2, Hkv, slots, D] per layer
     ) -> torch.Tensor:  # [T, hidden], final-normed
         x = F.embedding(input_ids, self.embed_tokens)
         for i, layer in enumerate(self.layers):
@@ -123,8 +122,15 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, head)
+        return self.lm_head(hidden)
+
+    def linears(self) -> list[Linear]:
+        return [m for m in self.modules() if isinstance(m, Linear)]
+
+    def pack_weights(self) -> None:
+        """Switch every linear layer to the fastest kernel layout (after load_weights)."""
+        for lin in self.linears():
+            lin.pack()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -138,11 +144,11 @@ class LlamaForCausalLM(nn.Module):
                 self.rope.scale_by(w)
                 continue
             if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+                if name == "lm_head.weight" and c.tie_word_embeddings:
+                    continue  # stored although tied: the embedding is the head
                 target = {"model.embed_tokens.weight": self.embed_tokens,
                           "model.norm.weight": self.norm.weight,
-                          "lm_head.weight": self.lm_head}[name]
-                if target is None:  # lm_head stored although tied: ignore the copy
-                    continue
+                          "lm_head.weight": self.lm_head.weight}[name]
                 target.copy_(w)
                 loaded.add(name)
                 continue
@@ -154,18 +160,18 @@ class LlamaForCausalLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             if module in qkv_rows:
                 start, size = qkv_rows[module]
-                dest = attn.qkv_weight if leaf == "weight" else attn.qkv_bias
+                dest = attn.qkv_proj.weight if leaf == "weight" else attn.qkv_proj.bias
                 if dest is None:
                     raise ValueError(f"unexpected bias {name} for a model without attention bias")
                 dest[start:start + size].copy_(w)
             elif module == "o_proj":
-                attn.o_weight.copy_(w)
+                attn.o_proj.weight.copy_(w)
             elif module == "gate_proj":
-                mlp.gate_up_weight[: mlp.inter].copy_(w)
+                mlp.gate_up_proj.weight[: mlp.inter].copy_(w)
             elif module == "up_proj":
-                mlp.gate_up_weight[mlp.inter:].copy_(w)
+                mlp.gate_up_proj.weight[mlp.inter:].copy_(w)
             elif module == "down_proj":
-                mlp.down_weight.copy_(w)
+                mlp.down_proj.weight.copy_(w)
             elif module == "input_layernorm":
                 layer.input_layernorm.weight.copy_(w)
             elif module == "post_attention_layernorm":
@@ -173,6 +179,8 @@ class LlamaForCausalLM(nn.Module):
             else:
                 continue
             loaded.add(name)
+        if c.tie_word_embeddings:
+            self.lm_head.weight.copy_(self.embed_tokens)
         expected = 2 + (0 if c.tie_word_embeddings else 1) + c.num_layers * (
             9 + (3 if c.attention_bias else 0)
         )
