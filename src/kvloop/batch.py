@@ -21,6 +21,9 @@ class ScheduledSeq:
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
     suppress_ids: tuple[int, ...] = ()
+    # Extra sequences to sample from this same row: (id, params) of n > 1 siblings that
+    # will fork from this one once its prompt is in the cache.
+    fork_samples: list[tuple[str, SamplingParams]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -37,6 +40,7 @@ class SchedulerOutput:
     prefills: list[ScheduledSeq] = field(default_factory=list)  # prompt chunks (or recomputes)
     use_cache: bool = True
     finished_ids: list[str] = field(default_factory=list)  # freed since the last step
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     num_preempted: int = 0
 
     @property

@@ -122,6 +122,7 @@ class KVCacheManager:
         self._tables: dict[str, _Table] = {}
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.pending_copies: list[tuple[int, int]] = []  # (src, dst) block copies owed
 
     # -- queries --------------------------------------------------------------------------
     def block_ids(self, request_id: str) -> list[int]:
@@ -161,18 +162,22 @@ class KVCacheManager:
     # -- changes --------------------------------------------------------------------------
     def allocate(self, request: Request, num_new_tokens: int,
                  cached_prefix: list[Block] | None = None, admitting: bool = False) -> bool:
-        """Make room for `num_new_tokens` more tokens of `request`; False if blocks run out.
+        """Make room for `num_new_tokens` more tokens of `request`; False if blocks run out
+        (then nothing changed).
 
         `cached_prefix` (on admission) are prefix-cache hits to share instead of computing.
+        A shared, partly filled last block (after a fork) is copied on write: the copy is
+        queued in `pending_copies` for the runner to perform before the step's forward.
         """
         table = self._tables.get(request.request_id)
         prefix = cached_prefix or []
         have = len(table.blocks) if table else len(prefix)
         need = self.num_blocks_for(request.num_computed_tokens + num_new_tokens) - have
+        cow = self._shared_tail(table, request.num_computed_tokens) if num_new_tokens else None
         # Hits sitting in the free queue are revived, so they count against free blocks.
         revived = sum(1 for b in prefix if b.ref_count == 0)
         spare = self.watermark_blocks if admitting else 0
-        if need + revived > self.pool.num_free - spare:
+        if max(need, 0) + revived + (cow is not None) > self.pool.num_free - spare:
             return False
         if table is None:
             table = self._tables[request.request_id] = _Table()
@@ -180,9 +185,21 @@ class KVCacheManager:
                 self.pool.acquire(b)
             table.blocks.extend(prefix)
             table.num_cached = len(prefix)
+        if cow is not None:
+            copy = self.pool.allocate()
+            self.pending_copies.append((table.blocks[cow].block_id, copy.block_id))
+            self.pool.release(table.blocks[cow])
+            table.blocks[cow] = copy
         for _ in range(max(need, 0)):
             table.blocks.append(self.pool.allocate())
         return True
+
+    def _shared_tail(self, table: _Table | None, num_computed: int) -> int | None:
+        """Index of the partly filled block the next token writes into, if others share it."""
+        if table is None or num_computed % self.block_size == 0:
+            return None
+        i = num_computed // self.block_size
+        return i if i < len(table.blocks) and table.blocks[i].ref_count > 1 else None
 
     def record_prefix_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_queries += num_prompt_tokens
@@ -219,21 +236,17 @@ class KVCacheManager:
         for block in reversed(table.blocks):
             self.pool.release(block)
 
-    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> bool:
-        """Give `child_id` the parent's blocks for its first `num_tokens` tokens, shared by
-        reference count; a trailing partial block is copied on write by the caller.
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Give `child_id` all of the parent's blocks, shared by reference count.
 
-        Returns False if the copy-on-write block cannot be allocated.
+        Full blocks are immutable, so sharing them is free; the partly filled tail is
+        copied on write, by whichever sequence writes into it first (see allocate).
         """
         src = self._tables[parent_id]
-        n_full = num_tokens // self.block_size
-        partial = num_tokens % self.block_size != 0
-        if partial and self.pool.num_free < 1:
-            return False
-        table = self._tables[child_id] = _Table(num_cached=min(src.num_cached, n_full))
-        for b in src.blocks[:n_full]:
+        for b in src.blocks:
             self.pool.acquire(b)
-            table.blocks.append(b)
-        if partial:
-            table.blocks.append(self.pool.allocate())
-        return True
+        self._tables[child_id] = _Table(list(src.blocks), src.num_cached)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies

@@ -112,6 +112,8 @@ class Request:
         self.num_computed_tokens = 0
         self.metrics = RequestMetrics(num_prompt_tokens=len(prompt_token_ids))
         self.stop_reason: int | str | None = None
+        # n > 1: siblings sampled from this request's first logits, then forked from it.
+        self.fork_samples: list[tuple[str, SamplingParams]] = []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kvloop.batch import ScheduledSeq, SchedulerOutput
+from kvloop.batch import SchedulerOutput
 from kvloop.models import AttentionMetadata, LlamaForCausalLM, PrefillSegment
 from kvloop.models.attention import causal_prefix_mask
+from kvloop.params import SamplingParams
 from kvloop.sampling import Sampler, SamplingRow
 
 
@@ -49,12 +50,12 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
 
     # -- per-request state ------------------------------------------------------------------
-    def _generator(self, seq: ScheduledSeq) -> torch.Generator | None:
-        if seq.params.seed is None:
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
+        if params.seed is None:
             return None
-        g = self._generators.get(seq.request_id)
+        g = self._generators.get(request_id)
         if g is None:
-            g = self._generators[seq.request_id] = torch.Generator().manual_seed(seq.params.seed)
+            g = self._generators[request_id] = torch.Generator().manual_seed(params.seed)
         return g
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
@@ -72,6 +73,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         for rid in sched.finished_ids:
             self._generators.pop(rid, None)
+        self.copy_blocks(sched.blocks_to_copy)
         seqs = sched.decodes + sched.prefills
         token_ids: list[int] = []
         positions: list[int] = []
@@ -84,25 +86,28 @@ class ModelRunner:
 
         hidden = self.model(input_ids, pos, meta, self.kv_caches)  # [T, hidden]
 
-        # Logits only where a token is sampled: each sequence's last row, if it samples.
-        sample_rows, sampling = [], []
-        row = 0
+        # Logits only where a token is sampled: each sequence's last row, if it samples
+        # (n > 1 siblings draw from the same row, each with its own generator).
+        hidden_rows: list[int] = []
+        rows: list[SamplingRow] = []
+        ids_out: list[str] = []
+        last = -1
         for s in seqs:
-            row += s.num_tokens
-            if s.sample:
-                sample_rows.append(row - 1)
-                sampling.append(s)
-        if not sampling:
+            last += s.num_tokens
+            if not s.sample:
+                continue
+            for rid, params in [(s.request_id, s.params), *s.fork_samples]:
+                hidden_rows.append(last)
+                rows.append(SamplingRow(params, s.prompt_ids, s.output_ids,
+                                        self._generator(rid, params), s.suppress_ids))
+                ids_out.append(rid)
+        if not rows:
             return RunnerOutput({}, len(token_ids))
-        logits = self.model.compute_logits(hidden[sample_rows])  # [N, V]
-        rows = [SamplingRow(s.params, s.prompt_ids, s.output_ids, self._generator(s),
-                            s.suppress_ids) for s in sampling]
+        logits = self.model.compute_logits(hidden[hidden_rows])  # [N, V]
         out = self.sampler(logits, rows)
         ids, lps = out.token_ids.tolist(), out.logprobs.tolist()
-        sampled = {
-            s.request_id: SampledToken(ids[i], lps[i], out.top_logprobs[i])
-            for i, s in enumerate(sampling)
-        }
+        sampled = {rid: SampledToken(ids[i], lps[i], out.top_logprobs[i])
+                   for i, rid in enumerate(ids_out)}
         return RunnerOutput(sampled, len(token_ids))
 
     def _metadata(self, sched: SchedulerOutput, pos: torch.Tensor) -> AttentionMetadata:

@@ -114,6 +114,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n == 0:  # a beam waiting for its siblings' step: nothing to run
+                i += 1
+                continue
             while not self.kv.allocate(req, n):
                 victim = self._pick_victim(self.running[i:])
                 self._preempt(victim)
@@ -148,7 +151,17 @@ class Scheduler:
             self.running.append(req)
             budget -= n
             self._add_to_output(out, req, n)
+        out.blocks_to_copy = self.kv.take_copies()
         return out
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Start `child` as a copy of `parent`'s progress, sharing its KV blocks."""
+        self.kv.fork(parent.request_id, child.request_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        child.metrics.num_cached_tokens = parent.metrics.num_cached_tokens
+        self.requests[child.request_id] = child
+        self.running.append(child)
 
     def _add_to_output(self, out: SchedulerOutput, req: Request, n: int) -> None:
         start = req.num_computed_tokens
@@ -163,6 +176,8 @@ class Scheduler:
             output_ids=req.output_token_ids,
             suppress_ids=req.suppressed_token_ids(),
         )
+        if seq.sample and req.fork_samples:
+            seq.fork_samples = list(req.fork_samples)
         (out.decodes if n == 1 and start > 0 else out.prefills).append(seq)
         req.num_computed_tokens += n
         req.metrics.positions_processed += n

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -29,7 +29,8 @@ from kvloop.loading.tokenizer import Tokenizer
 from kvloop.models import LlamaForCausalLM, build_model
 from kvloop.params import SamplingParams
 from kvloop.request import Request, RequestStatus
-from kvloop.runner import ModelRunner, kv_cache_bytes_per_block
+from kvloop.runner import ModelRunner, SampledToken, kv_cache_bytes_per_block
+from kvloop.sampling.beam import BeamSearch
 from kvloop.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 
 logger = logging.getLogger("kvloop")
@@ -37,17 +38,27 @@ logger = logging.getLogger("kvloop")
 
 @dataclass
 class _Group:
-    """A user request: one or more sequences (n > 1) sharing a prompt."""
+    """A user request: one sequence, n sampled siblings, or the live beams of a beam search.
+
+    Siblings and beams are forked from a parent sequence and share its KV blocks."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     seqs: list[SeqOutputState]
+    num_pending_forks: int = 0  # n > 1 siblings not yet forked from seqs[0]
+    beam: BeamSearch | None = None
+    beam_scores: dict[str, float] = field(default_factory=dict)  # live beam -> cum logprob
+    beam_candidates: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    beam_results: list[CompletionOutput] | None = None
+    num_beam_seqs: int = 0
 
     @property
     def finished(self) -> bool:
-        return all(s.request.is_finished for s in self.seqs)
+        if self.beam is not None:
+            return self.beam_results is not None
+        return self.num_pending_forks == 0 and all(s.request.is_finished for s in self.seqs)
 
 
 def load_model(checkpoint: Checkpoint, pack: bool = True) -> LlamaForCausalLM:
@@ -121,24 +132,45 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens but the model's context is {self.max_model_len} "
                 f"(room is needed for at least one generated token)"
             )
+        eos = self.eos_token_ids()
+        first_id = request_id if params.n == 1 and params.num_beams == 1 else f"{request_id}#0"
+        group = _Group(request_id, text, ids, params, [])
         if params.num_beams > 1:
-            raise InvalidParamsError("beam search is not supported yet")
-        seqs = []
-        for i in range(params.n):
-            p = params if params.n == 1 or params.seed is None else replace(
-                params, seed=params.seed + i)
-            sid = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(sid, ids, p, self.eos_token_ids(), priority, self.max_model_len)
-            seqs.append(SeqOutputState(req, IncrementalDetokenizer(self.tokenizer, ids), i))
+            group.beam = BeamSearch(
+                params.num_beams, min(params.max_tokens, self.max_model_len - len(ids)),
+                params.length_penalty, params.early_stopping, () if params.ignore_eos else eos)
+            first = Request(first_id, ids, self._beam_row_params(params, len(eos)), eos,
+                            priority, self.max_model_len)
+            group.beam_scores[first_id] = 0.0
+            group.num_beam_seqs = 1
+        else:
+            first = Request(first_id, ids, self._sibling_params(params, 0), eos, priority,
+                            self.max_model_len)
+            # n > 1: the siblings draw their first token from the same logits, then fork.
+            first.fork_samples = [(f"{request_id}#{i}", self._sibling_params(params, i))
+                                  for i in range(1, params.n)]
+            group.num_pending_forks = params.n - 1
+        group.seqs.append(SeqOutputState(first, IncrementalDetokenizer(self.tokenizer, ids), 0))
         # Admission control first (may raise), so nothing half-queued is left behind.
-        for s in seqs:
-            self.scheduler.check_fits(s.request)
-        group = _Group(request_id, text, ids, params, seqs)
-        for s in seqs:
-            self.scheduler.add_request(s.request)
-            self._seq_to_group[s.request.request_id] = group
+        self.scheduler.add_request(first)
+        self._seq_to_group[first_id] = group
         self._groups[request_id] = group
         return request_id
+
+    @staticmethod
+    def _sibling_params(params: SamplingParams, i: int) -> SamplingParams:
+        """Sibling i of an n > 1 request: seeded, it gets its own stream (seed + i)."""
+        if params.n == 1 or (params.seed is None and i == 0):
+            return params
+        return replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+
+    @staticmethod
+    def _beam_row_params(params: SamplingParams, num_eos: int) -> SamplingParams:
+        """A beam's row asks the sampler for the top 2B (more with several end tokens)
+        raw log-probs; the beam step, not the sampler, picks the tokens."""
+        row = SamplingParams(max_tokens=params.max_tokens, temperature=0.0, ignore_eos=True)
+        row.logprobs = max(2, 1 + num_eos) * params.num_beams  # may exceed the user cap of 20
+        return row
 
     def abort(self, request_id: str) -> None:
         group = self._groups.pop(request_id, None)
@@ -172,22 +204,23 @@ class LLMEngine:
 
         touched: dict[str, _Group] = {}
         finished: dict[RequestStatus, list[str]] = {}
+        # n > 1: siblings fork from their parent before anyone appends a token.
+        for rid in result.sampled:
+            group = self._seq_to_group.get(rid)
+            if group is not None and group.num_pending_forks and rid == group.seqs[0].request_id:
+                self._fork_siblings(group, result.sampled)
         for rid, tok in result.sampled.items():
             group = self._seq_to_group[rid]
-            seq = group.seqs[0] if len(group.seqs) == 1 else next(
-                s for s in group.seqs if s.request.request_id == rid)
-            req = seq.request
-            status = seq.append(tok.token_id, tok.logprob, tok.top_logprobs)
-            m = req.metrics
-            m.num_output_tokens = len(req.output_token_ids)
-            m.last_token_time = now
-            if m.first_token_time is None:
-                m.first_token_time = now
-            if status is not None:
-                seq.finish(status)
-                m.finished_time = now
-                finished.setdefault(status, []).append(rid)
             touched[group.request_id] = group
+            if group.beam is not None:
+                group.beam_candidates[rid] = tok.top_logprobs or []
+                continue
+            seq = group.seqs[0] if len(group.seqs) == 1 else next(
+                s for s in group.seqs if s.request_id == rid)
+            self._append(seq, tok, now, finished)
+        for group in touched.values():
+            if group.beam is not None and len(group.beam_candidates) == len(group.beam_scores):
+                self._beam_step(group, now)
         for status, ids in finished.items():
             self.scheduler.finish_requests(ids, status)
         outputs = []
@@ -199,7 +232,95 @@ class LLMEngine:
                     self._seq_to_group.pop(s.request.request_id, None)
         return outputs
 
+    def _append(self, seq: SeqOutputState, tok: SampledToken, now: float,
+                finished: dict[RequestStatus, list[str]]) -> None:
+        req = seq.request
+        status = seq.append(tok.token_id, tok.logprob, tok.top_logprobs)
+        m = req.metrics
+        m.num_output_tokens = len(req.output_token_ids)
+        m.last_token_time = now
+        if m.first_token_time is None:
+            m.first_token_time = now
+        if status is not None:
+            seq.finish(status)
+            m.finished_time = now
+            finished.setdefault(status, []).append(req.request_id)
+
+    def _new_seq(self, group: _Group, seq_id: str, params: SamplingParams,
+                 parent: Request, index: int) -> SeqOutputState:
+        """A sequence forked from `parent`: same prompt and progress, shared KV blocks."""
+        req = Request(seq_id, group.prompt_token_ids, params, parent.eos_token_ids,
+                      parent.priority, parent.max_model_len)
+        req.output_token_ids = list(parent.output_token_ids)
+        req.metrics.arrival_time = parent.metrics.arrival_time
+        req.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
+        req.metrics.positions_processed = 0  # the parent's work is not this sequence's
+        self.scheduler.fork(parent, req)
+        self._seq_to_group[seq_id] = group
+        return SeqOutputState(req, IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids),
+                              index)
+
+    def _fork_siblings(self, group: _Group, sampled: dict[str, SampledToken]) -> None:
+        parent = group.seqs[0].request
+        for i, (sid, params) in enumerate(parent.fork_samples, start=1):
+            if sid in sampled:
+                group.seqs.append(self._new_seq(group, sid, params, parent, i))
+        parent.fork_samples = []
+        group.num_pending_forks = 0
+
+    def _beam_step(self, group: _Group, now: float) -> None:
+        """All live beams have their continuations: advance the search by one token."""
+        assert group.beam is not None
+        live = [s for s in group.seqs if s.request.request_id in group.beam_scores]
+        inputs = [(s.request.output_token_ids, group.beam_scores[s.request.request_id],
+                   group.beam_candidates[s.request.request_id]) for s in live]
+        step = group.beam.step(inputs)
+        group.beam_candidates.clear()
+        claimed: set[int] = set()
+        moves: list[tuple[SeqOutputState, int, float]] = []
+        if not step.done:
+            # Forks first: a child copies its parent's tokens before the parent grows.
+            for parent_i, token, score in step.next_beams:
+                if parent_i in claimed:
+                    parent = live[parent_i].request
+                    sid = f"{group.request_id}#{group.num_beam_seqs}"
+                    group.num_beam_seqs += 1
+                    moves.append((self._new_seq(group, sid, parent.params, parent, 0),
+                                  token, score))
+                else:
+                    claimed.add(parent_i)
+                    moves.append((live[parent_i], token, score))
+        dropped = [s.request.request_id for i, s in enumerate(live) if i not in claimed]
+        group.beam_scores = {}
+        for seq, token, score in moves:
+            seq.request.output_token_ids.append(token)
+            seq.request.metrics.last_token_time = now
+            group.beam_scores[seq.request.request_id] = score
+        self.scheduler.finish_requests(dropped, RequestStatus.FINISHED_ABORTED)
+        for sid in dropped:
+            self._seq_to_group.pop(sid, None)
+        group.seqs = [m[0] for m in moves]
+        first = live[0].request.metrics
+        if first.first_token_time is None:
+            first.first_token_time = now
+        if step.done:
+            n_ret = group.params.num_return_sequences or group.params.num_beams
+            group.beam_results = [
+                CompletionOutput(
+                    index=i, text=self.tokenizer.decode(h.token_ids), token_ids=h.token_ids,
+                    finish_reason=("stop" if h.token_ids and h.token_ids[-1] in
+                                   group.beam.eos_token_ids else "length"),
+                    cumulative_logprob=h.cumulative_logprob, score=h.score)
+                for i, h in enumerate(group.beam.results(n_ret))
+            ]
+            group.seqs = live[:1]  # keeps the metrics holder
+
     def _make_output(self, group: _Group) -> RequestOutput:
+        first = group.seqs[0].request
+        if group.beam is not None:  # beams are not streamed: outputs come at the end
+            first.metrics.finished_time = time.perf_counter() if group.finished else None
+            return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
+                                 group.beam_results or [], group.finished, first.metrics)
         comps = []
         for s in group.seqs:
             req = s.request
@@ -218,6 +339,5 @@ class LLMEngine:
                 delta=delta,
                 delta_token_ids=delta_ids,
             ))
-        first = group.seqs[0].request
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, comps,
                              group.finished, first.metrics)

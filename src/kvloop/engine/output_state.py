@@ -24,6 +24,10 @@ class SeqOutputState:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
     def append(self, token_id: int, logprob: float,
                top: list[tuple[int, float]] | None) -> RequestStatus | None:
         """Add a generated token; return the finished status if this token ends the sequence."""

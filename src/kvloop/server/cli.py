@@ -1,0 +1,139 @@
+"""`kvloop serve`: flags in, a uvicorn server out.
+
+Wired into kvloop.cli by `add_serve_parser(sub)` and `cmd_serve(args)`; also runnable on
+its own as `python -m kvloop.server.cli [flags]`. Imports nothing heavy at module level,
+so `kvloop --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from kvloop.config import parse_size
+from kvloop.errors import KvloopError
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+API_KEY_ENV = "KVLOOP_API_KEY"
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1MiB, 65536)") from None
+
+
+def _add_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
+    p.add_argument("--host", default=DEFAULT_HOST,
+                   help="address to bind (default: loopback only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes "
+                        f"(default: ${API_KEY_ENV} if set)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the checkpoint's name)")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="sequences allowed to wait for a seat; more get 429 (default 256)")
+    p.add_argument("--max-body-bytes", type=_size, default=1 << 20,
+                   help="larger request bodies get 413 (default 1MiB)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    g = p.add_argument_group("engine")
+    g.add_argument("--kv-cache-memory", default="2GiB")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget per step")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--threads", type=int, default=None)
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the `serve` subcommand to kvloop's subparsers."""
+    p: argparse.ArgumentParser = subparsers.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health "
+                    "and /metrics. Concurrent requests join one continuous batch.")
+    _add_flags(p)
+    return p
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Refuse bad flags before the slow model load."""
+    if not 0 <= args.port <= 65535:
+        raise KvloopError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_waiting < 0:
+        raise KvloopError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    if args.max_body_bytes < 1:
+        raise KvloopError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        if getattr(args, flag) < 1:
+            raise KvloopError(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.max_model_len is not None and args.max_model_len < 2:
+        raise KvloopError("--max-model-len must be >= 2")
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    _check(args)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("kvloop.server")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if api_key is None and not _is_loopback(args.host):
+        log.warning("binding %s without --api-key: anyone who can reach it can use it",
+                    args.host)
+
+    # Deferred: torch and FastAPI take seconds to import.
+    import uvicorn
+
+    from kvloop.config import EngineConfig
+    from kvloop.engine.llm_engine import LLMEngine
+    from kvloop.server.app import ServerSettings, create_app
+
+    engine = LLMEngine(args.model, EngineConfig(
+        kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
+        num_threads=args.threads))
+    app = create_app(engine, ServerSettings(
+        model_name=args.served_model_name, api_key=api_key, max_waiting=args.max_waiting,
+        max_body_bytes=args.max_body_bytes))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvloop serve", description="kvloop's HTTP server")
+    _add_flags(parser)
+    args = parser.parse_args(argv)
+    try:
+        return cmd_serve(args)
+    except KvloopError as e:
+        print(f"kvloop: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

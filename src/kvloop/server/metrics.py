@@ -1,0 +1,119 @@
+"""Prometheus metrics and the one log line per finished request.
+
+Request figures (TTFT, TPOT, latency, tokens) are recorded on the engine thread as
+outputs leave the engine, so a request whose client vanished still counts. Engine
+figures (running, waiting, KV blocks, prefix hits, preemptions) are read at scrape time
+from the engine's last published snapshot. Each app has its own CollectorRegistry, so
+several servers in one process (the tests) never share counters.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvloop.engine.outputs import RequestOutput
+from kvloop.scheduler import SchedulerStats
+
+logger = logging.getLogger("kvloop.server")
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0,
+                    1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
+                 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], SchedulerStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._stats()
+        yield GaugeMetricFamily("kvloop_num_requests_running",
+                                "Sequences in the running batch.", st.num_running)
+        yield GaugeMetricFamily("kvloop_num_requests_waiting",
+                                "Sequences waiting to be admitted (or resumed).", st.num_waiting)
+        yield GaugeMetricFamily("kvloop_kv_cache_blocks_used",
+                                "KV cache blocks held by requests.", st.kv.num_used_blocks)
+        yield GaugeMetricFamily("kvloop_kv_cache_blocks_total",
+                                "KV cache blocks in the pool.", st.kv.num_blocks)
+        yield GaugeMetricFamily("kvloop_kv_cache_usage_ratio", "Fraction of KV blocks used.",
+                                st.kv.num_used_blocks / max(st.kv.num_blocks, 1))
+        yield GaugeMetricFamily("kvloop_prefix_cache_hit_rate",
+                                "Prompt tokens found in the prefix cache / tokens looked up.",
+                                st.kv.prefix_hit_rate)
+        yield CounterMetricFamily("kvloop_num_preemptions",
+                                  "Requests preempted (KV blocks ran out).", st.num_preemptions)
+
+
+class ServerMetrics:
+    """An OutputObserver for AsyncEngine: histograms, counters and request logs."""
+
+    def __init__(self, stats: Callable[[], SchedulerStats]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("kvloop_time_to_first_token_seconds",
+                              "Time from arrival to the first generated token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("kvloop_time_per_output_token_seconds",
+                              "Mean time per generated token after the first, per request.",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("kvloop_e2e_request_latency_seconds",
+                             "Time from arrival to the last token.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("kvloop_prompt_tokens",
+                                     "Prompt tokens of admitted requests.", registry=r)
+        self.cached_tokens = Counter("kvloop_prompt_tokens_cached",
+                                     "Prompt tokens served from the prefix cache.", registry=r)
+        self.generation_tokens = Counter("kvloop_generation_tokens",
+                                         "Tokens generated.", registry=r)
+        self.finished = Counter("kvloop_requests_finished", "Requests finished, by reason.",
+                                ["finish_reason"], registry=r)
+        r.register(_EngineCollector(stats))
+
+    # -- OutputObserver (engine thread) -------------------------------------------------------
+    def on_output(self, out: RequestOutput, first: bool) -> None:
+        if first:
+            self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(sum(len(c.delta_token_ids) for c in out.outputs))
+        if not out.finished:
+            return
+        m = out.metrics
+        first_cached = m.num_cached_tokens
+        self.cached_tokens.inc(first_cached)
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        if m.tpot is not None:
+            self.tpot.observe(m.tpot)
+        if m.e2e_latency is not None:
+            self.e2e.observe(m.e2e_latency)
+        reasons = [c.finish_reason or "abort" for c in out.outputs]
+        for reason in reasons:
+            self.finished.labels(reason).inc()
+        log_request(out.request_id, ",".join(dict.fromkeys(reasons)), out)
+
+    def on_abort(self, request_id: str, last: RequestOutput | None) -> None:
+        self.finished.labels("abort").inc()
+        log_request(request_id, "abort (client gone)", last)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def log_request(request_id: str, reason: str, out: RequestOutput | None) -> None:
+    if out is None:
+        logger.info("%s finished: %s before its first token", request_id, reason)
+        return
+    m = out.metrics
+    completion = sum(len(c.token_ids) for c in out.outputs)
+    logger.info(
+        "%s finished: %s | prompt %d tokens (%d cached) | completion %d tokens | "
+        "TTFT %s | TPOT %s | e2e %s | preemptions %d",
+        request_id, reason, len(out.prompt_token_ids), m.num_cached_tokens, completion,
+        _ms(m.ttft), _ms(m.tpot), _ms(m.e2e_latency), m.num_preemptions,
+    )

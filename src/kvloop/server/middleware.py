@@ -1,0 +1,97 @@
+"""Two gates every request passes before any route runs: the API key (on /v1 routes only)
+and the body-size limit. Plain ASGI, so a refused body is never parsed, nor read past
+the limit."""
+
+from __future__ import annotations
+
+import hmac
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvloop.server.errors import APIError
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", []):
+        if key.lower() == name:
+            return bytes(value)
+    return None
+
+
+class APIKeyMiddleware:
+    """`Authorization: Bearer KEY` on every path under `prefix`; /health and /metrics stay
+    open so probes and scrapers need no secret."""
+
+    def __init__(self, app: ASGIApp, api_key: str, prefix: str = "/v1") -> None:
+        self.app = app
+        self.key = api_key.encode()
+        self.prefix = prefix
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(self.prefix):
+            scheme, _, token = (_header(scope, b"authorization") or b"").partition(b" ")
+            # compare_digest: the time taken must not tell how much of a guess was right.
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)):
+                error = APIError(401, "missing or invalid API key (send Authorization: "
+                                 "Bearer KEY)", "authentication_error", code="invalid_api_key",
+                                 headers={"WWW-Authenticate": "Bearer"})
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Refuse bodies over `max_bytes` with 413: at once when Content-Length says so, else
+    as soon as the bytes received pass the limit (chunked uploads have no length).
+
+    The body is read here in full and replayed to the app; later `receive` calls go to
+    the server, so the app still hears a client's disconnect.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"request body exceeds {self.max_bytes} bytes",
+                        code="request_too_large")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = _header(scope, b"content-length")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                error = APIError(400, f"invalid Content-Length header: {length!r}")
+                await error.response()(scope, receive, send)
+                return
+            if declared > self.max_bytes:
+                await self._too_large().response()(scope, receive, send)
+                return
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left while sending: nobody to answer
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._too_large().response()(scope, receive, send)
+                return
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)

@@ -1,0 +1,229 @@
+"""The OpenAI wire format (plus vLLM's sampling extensions) as pydantic models.
+
+Requests are strict: an unknown field or a value of the wrong type is a 400 naming it,
+never silently ignored or coerced ("0.5" is not a number, NaN is not a temperature).
+Ranges are not checked here: SamplingParams owns them, so HTTP, the CLI and the Python
+API reject the same values with the same words.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# OpenAI's own cap on `n`; bounds the work one request can ask for.
+MAX_N = 128
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None  # optional here; when given it must name the served model
+    max_tokens: int | None = None
+    temperature: float | None = None  # OpenAI default 1.0
+    top_p: float | None = None
+    n: int = Field(1, le=MAX_N)  # >= 1 is SamplingParams' rule
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # JSON keys are strings: token id -> bias
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted, unused
+    # vLLM extensions.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    priority: int = 0  # lower runs first
+    # Beam search: vLLM's `use_beam_search` with `best_of` beams (default `n`), or
+    # `num_beams` directly; `n` sequences are returned.
+    use_beam_search: bool = False
+    best_of: int | None = Field(None, le=MAX_N)
+    num_beams: int | None = Field(None, le=MAX_N)
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False  # only False is supported; accepted because clients send it
+    suffix: str | None = None  # only None is supported
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+# --- responses ---------------------------------------------------------------------------------
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PromptTokensDetails(_Out):
+    cached_tokens: int = 0
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(_Out):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM: the stop string or token id that ended it
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class CompletionResponse(_Out):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Out):
+    content: list[TokenLogprob] | None = None
+
+
+class AssistantMessage(_Out):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(_Out):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(_Out):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(_Out):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Out):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(_Out):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "kvloop"
+    max_model_len: int
+
+
+class ModelList(_Out):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(_Out):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(_Out):
+    error: ErrorBody
+
+
+def dump_chunk(chunk: BaseModel) -> str:
+    """One SSE event. A chat delta leaves out its unset fields, as OpenAI's does."""
+    data: dict[str, Any] = chunk.model_dump(mode="json")
+    for choice in data.get("choices", []):
+        if isinstance(choice.get("delta"), dict):
+            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"

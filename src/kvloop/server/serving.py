@@ -1,0 +1,476 @@
+"""OpenAI requests in, engine requests out, and back: the translation behind the routes.
+
+Each handler checks what only the face can know (the model name, the context budget of
+the tokenized prompt, fields kvloop does not support), builds SamplingParams (which
+validate themselves), hands the request to the AsyncEngine and either streams its deltas
+as server-sent events or waits for the final output. All refusals happen before the
+engine queues anything; a client that leaves aborts its requests at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvloop.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestStream,
+)
+from kvloop.engine.outputs import CompletionOutput, RequestOutput
+from kvloop.errors import KvloopError
+from kvloop.params import SamplingParams
+from kvloop.server.errors import APIError, bad_request, from_kvloop_error
+from kvloop.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    PromptTokensDetails,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    _SamplingRequest,
+    dump_chunk,
+)
+
+logger = logging.getLogger("kvloop.server")
+
+RETRY_AFTER_S = 1
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass
+class _Job:
+    """One HTTP request: its id, its prompts (token ids) and their engine streams."""
+
+    request_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    choices_per_prompt: int
+    engine_ids: list[str] = field(default_factory=list)
+    streams: list[RequestStream] = field(default_factory=list)
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        # Read-only facts of the loaded model: safe to read off the engine thread.
+        llm = engine.engine
+        self.tokenizer = llm.tokenizer
+        self.max_model_len = llm.max_model_len
+        self.vocab_size = llm.model_config.vocab_size
+        self._token_text: dict[int, str] = {}
+
+    # -- routes ---------------------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        self._check_common(req)
+        if req.echo:
+            raise bad_request("echo is not supported", "echo", "unsupported")
+        if req.suffix is not None:
+            raise bad_request("suffix is not supported", "suffix", "unsupported")
+        prompts = self._completion_prompts(req.prompt)
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
+        for ids in prompts:
+            self._check_context(ids, max_tokens, "prompt", "max_tokens")
+        params = self._params(req, max_tokens, req.logprobs, {"logprobs": "logprobs"})
+        job = _Job(f"cmpl-{uuid.uuid4().hex}", prompts, params, req.n)
+        await self._submit(job, req.priority)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._sse(job, raw, self._completion_chunks(job, include_usage))
+        finals = await self._collect(job, raw)
+        choices = []
+        for k, out in enumerate(finals):
+            for c in out.outputs:
+                choices.append(CompletionChoice(
+                    index=k * job.choices_per_prompt + c.index, text=c.text,
+                    logprobs=self._completion_logprobs(c, c.token_ids, 0),
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        resp = CompletionResponse(id=job.request_id, model=self.model_name, choices=choices,
+                                  usage=_usage(finals))
+        return JSONResponse(resp.model_dump(mode="json"), headers=_id_header(job))
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self._check_common(req)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
+                    for m in req.messages]
+        try:
+            ids = self.tokenizer.encode_chat(messages)
+        except KvloopError as e:  # no chat template, or the template refused the conversation
+            raise bad_request(str(e), "messages") from e
+        limit = req.max_completion_tokens if req.max_completion_tokens is not None \
+            else req.max_tokens
+        # OpenAI's chat default: whatever room the context has left.
+        max_tokens = limit if limit is not None else max(self.max_model_len - len(ids), 1)
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        self._check_context(ids, max_tokens, "messages", param)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        params = self._params(req, max_tokens, logprobs,
+                              {"logprobs": "top_logprobs", "max_tokens": param})
+        job = _Job(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, req.n)
+        await self._submit(job, req.priority)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return self._sse(job, raw, self._chat_chunks(job, include_usage))
+        out = (await self._collect(job, raw))[0]
+        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                              logprobs=self._chat_logprobs(c, c.token_ids),
+                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                   for c in out.outputs]
+        resp = ChatCompletionResponse(id=job.request_id, model=self.model_name,
+                                      choices=choices, usage=_usage([out]))
+        return JSONResponse(resp.model_dump(mode="json"), headers=_id_header(job))
+
+    # -- checks and translation -----------------------------------------------------------------
+    def _check_common(self, req: _SamplingRequest) -> None:
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(400, f"model {req.model!r} is not served here (this server serves "
+                           f"{self.model_name!r}; see GET /v1/models)", param="model",
+                           code="model_not_found")
+
+    def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]
+                            ) -> list[list[int]]:
+        items: list[str | list[int]] = []
+        if isinstance(prompt, str):
+            items = [prompt]
+        elif prompt and all(isinstance(p, int) for p in prompt):
+            items = [[int(t) for t in prompt]]  # type: ignore[arg-type]  # one prompt of ids
+        else:
+            items = list(prompt)  # type: ignore[arg-type]  # a batch of prompts
+        if not items:
+            raise bad_request("prompt is empty", "prompt")
+        out = []
+        for p in items:
+            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            if not ids:
+                raise bad_request("prompt is empty", "prompt")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise bad_request(f"prompt token ids must be in [0, {self.vocab_size}), "
+                                  f"got {bad[:5]}", "prompt")
+            out.append(ids)
+        return out
+
+    def _check_context(self, ids: list[int], max_tokens: int, prompt_param: str,
+                       max_param: str) -> None:
+        if len(ids) >= self.max_model_len:
+            raise bad_request(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                f"prompt has {len(ids)} tokens (room is needed for at least one generated "
+                f"token)", prompt_param, "context_length_exceeded")
+        if max_tokens >= 1 and len(ids) + max_tokens > self.max_model_len:
+            raise bad_request(
+                f"this model's maximum context length is {self.max_model_len} tokens; you "
+                f"asked for {len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} "
+                f"for the completion): lower {max_param} or shorten the prompt",
+                max_param, "context_length_exceeded")
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        if not bias:
+            return None
+        out = {}
+        for key, value in bias.items():
+            try:
+                tok = int(key)
+            except ValueError:
+                raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
+                                  "logit_bias") from None
+            # The sampler would only find out mid-step, when a bad id would take the
+            # whole batch down: refuse it here.
+            if not 0 <= tok < self.vocab_size:
+                raise bad_request(f"logit_bias token id {tok} is not in [0, {self.vocab_size})",
+                                  "logit_bias")
+            out[tok] = value
+        return out
+
+    def _params(self, req: _SamplingRequest, max_tokens: int, logprobs: int | None,
+                names: dict[str, str]) -> SamplingParams:
+        """SamplingParams from the request; unset fields keep the engine's defaults."""
+        kw: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": logprobs,
+                              "logit_bias": self._logit_bias(req.logit_bias), "seed": req.seed}
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos",
+                     "length_penalty", "early_stopping"):
+            value = getattr(req, name)
+            if value is not None:
+                kw[name] = value
+        if req.stop is not None:
+            kw["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
+        if req.stop_token_ids is not None:
+            kw["stop_token_ids"] = list(req.stop_token_ids)
+        beams = req.num_beams or ((req.best_of or req.n) if req.use_beam_search else 1)
+        if req.best_of is not None and not req.use_beam_search and req.best_of != req.n:
+            raise bad_request("best_of is only supported with use_beam_search (it is the "
+                              "number of beams)", "best_of", "unsupported")
+        if beams > 1:
+            # Beam search returns the n best of `beams` beams (vLLM's best_of/n).
+            kw.update(num_beams=beams, num_return_sequences=req.n, n=1)
+            names = {"num_beams": "best_of" if req.use_beam_search else "num_beams",
+                     "num_return_sequences": "n", **names}
+        else:
+            kw["n"] = req.n
+        try:
+            return SamplingParams(**kw)
+        except KvloopError as e:
+            raise from_kvloop_error(e, names) from e
+
+    # -- engine ---------------------------------------------------------------------------------
+    async def _submit(self, job: _Job, priority: int) -> None:
+        """Queue every prompt of the job, or none of them."""
+        ids = ([job.request_id] if len(job.prompts) == 1
+               else [f"{job.request_id}-{k}" for k in range(len(job.prompts))])
+        try:
+            for rid, prompt in zip(ids, job.prompts, strict=True):
+                job.streams.append(await self.engine.add_request(rid, prompt, job.params,
+                                                                 priority))
+                job.engine_ids.append(rid)
+        except BaseException as e:
+            self._abort(job)
+            mapped = _engine_error(e)
+            if mapped is e:
+                raise
+            raise mapped from e
+
+    def _abort(self, job: _Job) -> None:
+        for rid in job.engine_ids:
+            self.engine.abort(rid)
+
+    async def _collect(self, job: _Job, raw: Request) -> list[RequestOutput]:
+        last: dict[int, RequestOutput] = {}
+        async with _abort_on_disconnect(raw, lambda: self._abort(job)):
+            try:
+                async for k, out in _merge(job.streams):
+                    last[k] = out
+            except EngineDeadError as e:
+                raise _engine_error(e) from e
+        if len(last) < len(job.prompts) or not all(o.finished for o in last.values()):
+            # Only our own abort ends a stream early: the client is gone, answer anyway.
+            raise APIError(499, "request aborted", code="aborted")
+        return [last[k] for k in range(len(job.prompts))]
+
+    def _sse(self, job: _Job, raw: Request, events: AsyncIterator[str]) -> StreamingResponse:
+        async def body() -> AsyncIterator[str]:
+            async with _abort_on_disconnect(raw, lambda: self._abort(job)):
+                try:
+                    async for event in events:
+                        yield event
+                except EngineDeadError as e:
+                    yield _dead(e).sse()
+                except Exception as e:  # headers are sent: the error goes in the stream
+                    logger.exception("%s failed mid-stream", job.request_id)
+                    yield APIError(500, f"internal error: {e!r}", "internal_error").sse()
+                finally:
+                    # Cancelled by a disconnect, or done: either way nothing may keep running.
+                    if not all(s.finished for s in job.streams):
+                        self._abort(job)
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream",
+                                 headers={**_SSE_HEADERS, **_id_header(job)})
+
+    # -- streaming ------------------------------------------------------------------------------
+    async def _completion_chunks(self, job: _Job, include_usage: bool) -> AsyncIterator[str]:
+        offsets: dict[int, int] = {}
+        finished: set[int] = set()
+        finals: dict[int, RequestOutput] = {}
+        want_lp = job.params.logprobs is not None
+        async for k, out in _merge(job.streams):
+            finals[k] = out
+            for c in out.outputs:
+                idx = k * job.choices_per_prompt + c.index
+                ending = c.finish_reason is not None and idx not in finished
+                if not (c.delta or ending or (want_lp and c.delta_token_ids)):
+                    continue
+                new_ids = c.delta_token_ids
+                choice = CompletionChoice(
+                    index=idx, text=c.delta,
+                    logprobs=self._completion_logprobs(c, new_ids, offsets.get(idx, 0)),
+                    finish_reason=c.finish_reason if ending else None,
+                    stop_reason=c.stop_reason if ending else None)
+                if choice.logprobs is not None and choice.logprobs.text_offset:
+                    offsets[idx] = choice.logprobs.text_offset[-1] + len(
+                        choice.logprobs.tokens[-1])
+                if ending:
+                    finished.add(idx)
+                yield dump_chunk(CompletionResponse(id=job.request_id, model=self.model_name,
+                                                    choices=[choice]))
+        if include_usage:
+            yield dump_chunk(CompletionResponse(
+                id=job.request_id, model=self.model_name, choices=[],
+                usage=_usage([finals[k] for k in sorted(finals)])))
+
+    async def _chat_chunks(self, job: _Job, include_usage: bool) -> AsyncIterator[str]:
+        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+            return dump_chunk(ChatCompletionChunk(id=job.request_id, model=self.model_name,
+                                                  choices=choices, usage=usage))
+
+        # The role first, as OpenAI does: the client sees the reply begin at once.
+        for i in range(job.choices_per_prompt):
+            yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
+        finished: set[int] = set()
+        final: RequestOutput | None = None
+        want_lp = job.params.logprobs is not None
+        async for _, out in _merge(job.streams):
+            final = out
+            for c in out.outputs:
+                ending = c.finish_reason is not None and c.index not in finished
+                if not (c.delta or ending or (want_lp and c.delta_token_ids)):
+                    continue
+                if ending:
+                    finished.add(c.index)
+                yield chunk([ChatChunkChoice(
+                    index=c.index, delta=ChatDelta(content=c.delta or None),
+                    logprobs=self._chat_logprobs(c, c.delta_token_ids),
+                    finish_reason=c.finish_reason if ending else None,
+                    stop_reason=c.stop_reason if ending else None)])
+        if include_usage and final is not None:
+            yield chunk([], _usage([final]))
+
+    # -- logprobs -------------------------------------------------------------------------------
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    @staticmethod
+    def _tail(c: CompletionOutput, n: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
+        """The logprobs (and top logprobs) of the last `n` tokens of `c`."""
+        lps = (c.logprobs or [])[len(c.token_ids) - n:] if n else []
+        tops = (c.top_logprobs or [])[len(c.token_ids) - n:] if n and c.top_logprobs else []
+        return lps, tops
+
+    def _completion_logprobs(self, c: CompletionOutput, ids: Sequence[int],
+                             offset: int) -> CompletionLogprobs | None:
+        if c.logprobs is None:
+            return None
+        lps, tops = self._tail(c, len(ids))
+        tokens = [self.token_text(t) for t in ids]
+        offsets = []
+        for tok in tokens:
+            offsets.append(offset)
+            offset += len(tok)
+        top = ([{self.token_text(t): lp for t, lp in row} for row in tops]
+               if c.top_logprobs is not None else None)
+        return CompletionLogprobs(tokens=tokens, token_logprobs=lps, top_logprobs=top,
+                                  text_offset=offsets)
+
+    def _chat_logprobs(self, c: CompletionOutput, ids: Sequence[int]) -> ChatLogprobs | None:
+        if c.logprobs is None:
+            return None
+        lps, tops = self._tail(c, len(ids))
+        content = []
+        for i, (t, lp) in enumerate(zip(ids, lps, strict=True)):
+            text = self.token_text(t)
+            top = [TopLogprob(token=self.token_text(a), logprob=b,
+                              bytes=list(self.token_text(a).encode()))
+                   for a, b in (tops[i] if i < len(tops) else [])]
+            content.append(TokenLogprob(token=text, logprob=lp, bytes=list(text.encode()),
+                                        top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+
+# --- helpers -----------------------------------------------------------------------------------
+def _usage(finals: Sequence[RequestOutput]) -> Usage:
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    cached = sum(o.metrics.num_cached_tokens for o in finals)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion,
+                 total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def _id_header(job: _Job) -> dict[str, str]:
+    return {"X-Request-Id": job.request_id}
+
+
+def _engine_error(e: BaseException) -> BaseException:
+    """The HTTP face of an engine refusal; anything else passes through unchanged."""
+    if isinstance(e, KvloopError):
+        return from_kvloop_error(e)
+    if isinstance(e, EngineOverloadedError):
+        return APIError(429, f"the server is busy: {e}; retry later", "rate_limit_error",
+                        code="server_busy", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(e, EngineDeadError):
+        return _dead(e)
+    return e
+
+
+def _dead(e: EngineDeadError) -> APIError:
+    return APIError(503, str(e), "service_unavailable", code="engine_dead")
+
+
+async def _merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's position."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(k: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((k, out))
+            queue.put_nowait((k, None))
+        except Exception as e:
+            queue.put_nowait((k, e))
+
+    tasks = [asyncio.create_task(pump(k, s)) for k, s in enumerate(streams)]
+    try:
+        done = 0
+        while done < len(streams):
+            k, item = await queue.get()
+            if item is None:
+                done += 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield k, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+@contextlib.asynccontextmanager
+async def _abort_on_disconnect(raw: Request, abort: Callable[[], None]) -> AsyncIterator[None]:
+    """Call `abort` as soon as the client disconnects while the body runs.
+
+    Reading `receive` after the request body is done returns only when the connection
+    closes (or the response completes), so a waiting task hears it at once, whatever the
+    ASGI server's spec version says about streaming cancellation.
+    """
+    async def watch() -> None:
+        while True:
+            message = await raw.receive()
+            if message["type"] == "http.disconnect":
+                abort()
+                return
+
+    task = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        task.cancel()
