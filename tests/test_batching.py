@@ -18,8 +18,8 @@ N_REQUESTS = 32
 
 def make_workload(vocab: int, seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
     g = torch.Generator().manual_seed(seed)
-    lengths = [1, 2, 3, 400, 17, 250, 64, 5] + torch.randint(1, 401, (N_REQUESTS - 8,),
-                                                             generator=g).tolist()
+    more = torch.randint(1, 401, (N_REQUESTS - 8,), generator=g).tolist()
+    lengths = [1, 2, 3, 400, 17, 250, 64, 5, *more]
     # A shared head on some prompts, so prefix caching has something to find.
     head = torch.randint(2, vocab, (48,), generator=g).tolist()
     prompts = []

@@ -38,6 +38,11 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--logprobs", type=int, default=None, help="also return the top-N logprobs")
     g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS")
+    g.add_argument("--n", type=int, default=1, help="independent samples per prompt")
+    g.add_argument("--num-beams", type=int, default=1, help="beam search with B beams")
+    g.add_argument("--length-penalty", type=float, default=1.0)
+    g.add_argument("--early-stopping", default="false", choices=["true", "false", "never"])
+    g.add_argument("--num-return-sequences", type=int, default=None)
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -61,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a reply to one prompt, streamed")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", nargs="?", default=None)
+    gen.add_argument("--prompts-file", default=None,
+                     help="one prompt per line, all run as one continuous batch")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
@@ -91,7 +98,10 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
         min_tokens=args.min_tokens, seed=args.seed, stop=args.stop,
         stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
-        logit_bias=bias or None,
+        logit_bias=bias or None, n=args.n, num_beams=args.num_beams,
+        length_penalty=args.length_penalty,
+        early_stopping={"true": True, "false": False}.get(args.early_stopping, "never"),
+        num_return_sequences=args.num_return_sequences,
     )
 
 
@@ -110,32 +120,80 @@ def _figures(metrics: dict[str, Any]) -> str:
             f"{metrics['positions_processed']} positions processed]")
 
 
+def _completion_json(comp: Any, params: SamplingParams) -> dict[str, Any]:
+    obj: dict[str, Any] = {"text": comp.text, "token_ids": comp.token_ids,
+                           "finish_reason": comp.finish_reason}
+    if comp.score is not None:
+        obj["score"] = comp.score
+    if params.logprobs is not None:
+        obj["logprobs"] = comp.logprobs
+        obj["top_logprobs"] = comp.top_logprobs
+    return obj
+
+
+def _output_json(out: Any, params: SamplingParams) -> dict[str, Any]:
+    """One object per prompt: flat for one sequence, an `outputs` list (best first) for
+    several (n > 1 or beams)."""
+    metrics = out.metrics.as_dict()
+    comps = out.outputs
+    if len(comps) == 1 and params.n == 1 and params.num_beams == 1:
+        return {**_completion_json(comps[0], params), "metrics": metrics}
+    best_first = sorted(comps, key=lambda c: -(c.score if c.score is not None
+                                                else c.cumulative_logprob))
+    return {"outputs": [_completion_json(c, params) for c in best_first], "metrics": metrics}
+
+
+def _read_prompts(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+    except OSError as e:
+        raise KvloopError(f"cannot read --prompts-file {path}: {e.strerror}") from None
+    if not prompts:
+        raise KvloopError(f"--prompts-file {path} has no prompts")
+    return prompts
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)  # validate before the slow model load
+    if (args.prompt is None) == (args.prompts_file is None):
+        raise KvloopError("give a PROMPT or --prompts-file FILE (one of them)")
+    texts = _read_prompts(args.prompts_file) if args.prompts_file else [args.prompt]
     llm = _make_llm(args)
-    prompt: str | list[int] = args.prompt
-    if args.chat:
-        msgs = ([{"role": "system", "content": args.system}] if args.system else [])
-        prompt = llm.tokenizer.encode_chat([*msgs, {"role": "user", "content": args.prompt}])
+
+    def encode(text: str) -> str | list[int]:
+        if not args.chat:
+            return text
+        msgs = [{"role": "system", "content": args.system}] if args.system else []
+        return llm.tokenizer.encode_chat([*msgs, {"role": "user", "content": text}])
+
+    prompts = [encode(t) for t in texts]
+    if args.prompts_file or params.n > 1 or params.num_beams > 1:
+        outs = llm.generate(prompts, params, use_tqdm=bool(args.prompts_file))
+        for i, out in enumerate(outs):
+            if args.json:
+                print(json.dumps(_output_json(out, params)))
+                continue
+            for comp in out.outputs:
+                label = f"prompt {i}" if args.prompts_file else ""
+                extra = f" score {comp.score:.4f}" if comp.score is not None else ""
+                print(f"--- {label} sequence {comp.index}{extra} ---".replace("  ", " "))
+                print(comp.text)
+            print(_figures(out.metrics.as_dict()), file=sys.stderr)
+        return 0
+
     last = None
-    for out in llm.stream_outputs(prompt, params):
+    for out in llm.stream_outputs(prompts[0], params):
         if not args.json and out.outputs[0].delta:
             sys.stdout.write(out.outputs[0].delta)
             sys.stdout.flush()
         last = out
     assert last is not None
-    comp = last.outputs[0]
-    metrics = last.metrics.as_dict()
     if args.json:
-        obj: dict[str, Any] = {"text": comp.text, "token_ids": comp.token_ids,
-                               "finish_reason": comp.finish_reason, "metrics": metrics}
-        if params.logprobs is not None:
-            obj["logprobs"] = comp.logprobs
-            obj["top_logprobs"] = comp.top_logprobs
-        print(json.dumps(obj))
+        print(json.dumps(_output_json(last, params)))
     else:
         sys.stdout.write("\n")
-        print(_figures(metrics), file=sys.stderr)
+        print(_figures(last.metrics.as_dict()), file=sys.stderr)
     return 0
 
 

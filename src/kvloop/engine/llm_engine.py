@@ -237,7 +237,8 @@ class LLMEngine:
         req = seq.request
         status = seq.append(tok.token_id, tok.logprob, tok.top_logprobs)
         m = req.metrics
-        m.num_output_tokens = len(req.output_token_ids)
+        # Per sequence (the longest, for n > 1), so time per output token stays per step.
+        m.num_output_tokens = max(m.num_output_tokens, len(req.output_token_ids))
         m.last_token_time = now
         if m.first_token_time is None:
             m.first_token_time = now
@@ -252,9 +253,8 @@ class LLMEngine:
         req = Request(seq_id, group.prompt_token_ids, params, parent.eos_token_ids,
                       parent.priority, parent.max_model_len)
         req.output_token_ids = list(parent.output_token_ids)
-        req.metrics.arrival_time = parent.metrics.arrival_time
-        req.metrics.first_scheduled_time = parent.metrics.first_scheduled_time
-        req.metrics.positions_processed = 0  # the parent's work is not this sequence's
+        # One metrics record per user request: siblings' and beams' work adds up in it.
+        req.metrics = parent.metrics
         self.scheduler.fork(parent, req)
         self._seq_to_group[seq_id] = group
         return SeqOutputState(req, IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids),
@@ -294,15 +294,16 @@ class LLMEngine:
         group.beam_scores = {}
         for seq, token, score in moves:
             seq.request.output_token_ids.append(token)
-            seq.request.metrics.last_token_time = now
             group.beam_scores[seq.request.request_id] = score
+        m = live[0].request.metrics
+        m.last_token_time = now
+        m.num_output_tokens = group.beam.num_generated
+        if m.first_token_time is None:
+            m.first_token_time = now
         self.scheduler.finish_requests(dropped, RequestStatus.FINISHED_ABORTED)
         for sid in dropped:
             self._seq_to_group.pop(sid, None)
         group.seqs = [m[0] for m in moves]
-        first = live[0].request.metrics
-        if first.first_token_time is None:
-            first.first_token_time = now
         if step.done:
             n_ret = group.params.num_return_sequences or group.params.num_beams
             group.beam_results = [
