@@ -10,7 +10,7 @@ import torch
 
 from kvloop.batch import SchedulerOutput
 from kvloop.models import AttentionMetadata, LlamaForCausalLM, PrefillSegment
-from kvloop.models.attention import causal_prefix_mask
+from kvloop.models.attention import causal_prefix_mask, flat_kv_index
 from kvloop.params import SamplingParams
 from kvloop.sampling import Sampler, SamplingRow
 
@@ -39,6 +39,7 @@ class ModelRunner:
                  use_cache: bool = True) -> None:
         self.model = model
         self.block_size = block_size
+        self.num_slots = num_blocks * block_size
         c = model.config
         # One [2, kv_heads, slots, head_dim] tensor per layer; slot = block * block_size + offset.
         self.kv_caches: list[torch.Tensor] | None = (
@@ -129,21 +130,27 @@ class ModelRunner:
             torch.arange(len(seqs)), torch.tensor([s.num_tokens for s in seqs]))  # [T]
         meta.slot_mapping = tables[seq_of_row, pos // bs] * bs + pos % bs  # [T]
 
+        heads, num_slots = self.model.config.num_kv_heads, self.num_slots
         if sched.decodes:
             n = len(sched.decodes)
             ctx = torch.tensor([s.context_len for s in sched.decodes])  # [B]
             S = int(ctx.max())
             slots = (tables[:n, :, None] * bs + torch.arange(bs)).view(n, -1)[:, :S]  # [B, S]
-            meta.decode_kv_index = slots
+            meta.decode_kv_index = flat_kv_index(slots, heads, num_slots)
+            meta.decode_shape = (n, S)
             if int(ctx.min()) != S:
-                meta.decode_mask = (torch.arange(S) < ctx[:, None]).view(n, 1, 1, S)
+                # Additive float mask: SDPA's CPU kernel was faster with it than with bool.
+                pad = torch.arange(S) >= ctx[:, None]  # [B, S]
+                meta.decode_mask = torch.zeros(n, 1, 1, S).masked_fill_(
+                    pad.view(n, 1, 1, S), float("-inf"))
 
         start = len(sched.decodes)
         for i, s in enumerate(sched.prefills, start=len(sched.decodes)):
             seg = PrefillSegment(start, s.num_tokens)
             if s.start_pos > 0:  # prefix cached or an earlier chunk: attend to the cache
                 ctx_len = s.context_len
-                seg.kv_index = (tables[i, :, None] * bs + torch.arange(bs)).view(-1)[:ctx_len]
+                slots = (tables[i, :, None] * bs + torch.arange(bs)).view(1, -1)[:, :ctx_len]
+                seg.kv_index = flat_kv_index(slots, heads, num_slots)
                 seg.mask = causal_prefix_mask(s.num_tokens, ctx_len)
             meta.prefills.append(seg)
             start += s.num_tokens

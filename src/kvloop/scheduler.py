@@ -53,15 +53,27 @@ class Scheduler:
 
     # -- queue management -------------------------------------------------------------------
     def check_fits(self, request: Request) -> None:
-        """Refuse, at admission, a request that could never fit the whole cache."""
-        if self.config.use_cache:
-            # One more block than the prompt needs: it must hold the first generated token.
-            need = self.kv.num_blocks_for(request.num_tokens + 1)
-            if need > self.kv.pool.num_blocks:
-                raise PromptTooLongError(
-                    f"prompt of {request.num_tokens} tokens needs {need} KV blocks but the whole "
-                    f"cache has {self.kv.pool.num_blocks}; raise kv_cache_memory"
-                )
+        """Refuse, at admission, a request that could never run to completion in the cache.
+
+        It must fit with the admission watermark kept spare, or it would wait forever. And
+        it must never outgrow the cache, or it would preempt itself forever: its length is
+        capped by `max_model_len`, which the engine keeps within the cache, and a longest
+        sequence (prompt + max_tokens, capped so) that cannot fit is refused here.
+        """
+        if not self.config.use_cache:
+            return
+        longest = request.num_tokens + 1
+        if request.max_model_len is not None:
+            longest = max(longest, min(request.num_prompt_tokens + request.params.max_tokens,
+                                       request.max_model_len))
+        need = self.kv.num_blocks_for(longest)
+        usable = self.kv.pool.num_blocks - self.kv.watermark_blocks
+        if need > usable:
+            raise PromptTooLongError(
+                f"a prompt of {request.num_prompt_tokens} tokens with max_tokens "
+                f"{request.params.max_tokens} needs up to {need} KV blocks but the cache has "
+                f"{usable} usable ({self.kv.pool.num_blocks} in all); raise kv_cache_memory"
+            )
 
     def add_request(self, request: Request) -> None:
         self.check_fits(request)
@@ -106,6 +118,10 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if not self.config.use_cache:
             return self._schedule_recompute(out, budget)
+
+        # Admission order can differ from priority order: keep running sorted so a victim
+        # chosen among the not-yet-scheduled tail is always the lowest priority, newest.
+        self.running.sort(key=lambda r: (r.priority, r.metrics.arrival_time))
 
         # 1. Running requests: a decode token, or the next chunk of an unfinished prefill.
         scheduled: list[Request] = []

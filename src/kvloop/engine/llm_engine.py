@@ -93,6 +93,9 @@ class LLMEngine:
         if not ec.use_cache:
             num_blocks = 1
         self.kv = KVCacheManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
+        if ec.use_cache:  # a sequence may never outgrow the cache (it would stall)
+            usable = (num_blocks - self.kv.watermark_blocks) * ec.block_size
+            self.max_model_len = min(self.max_model_len, usable)
         self.scheduler = Scheduler(
             SchedulerConfig(ec.max_num_seqs, ec.max_num_batched_tokens, ec.use_cache), self.kv)
         self.runner = ModelRunner(self.model, ec.block_size, num_blocks, ec.use_cache)

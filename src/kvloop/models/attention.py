@@ -23,9 +23,10 @@ import torch.nn.functional as F
 class PrefillSegment:
     q_start: int  # first row of this chunk in the step's flattened tokens
     q_len: int
-    # Flat cache slots of the whole context (cached prefix + this chunk), or None when the
-    # chunk is the whole context: then it attends to its own fresh K/V, no gather needed.
-    kv_index: torch.Tensor | None = None  # [ctx_len] int64
+    # Rows of the flattened [Hkv * slots, D] cache holding the whole context (cached prefix
+    # + this chunk), head-major; None when the chunk is the whole context: then it attends
+    # to its own fresh K/V and nothing is gathered.
+    kv_index: torch.Tensor | None = None  # [Hkv * ctx_len] int64
     mask: torch.Tensor | None = None  # [q_len, ctx_len] bool, causal with the prefix offset
 
 
@@ -36,8 +37,11 @@ class AttentionMetadata:
     num_decodes: int = 0  # rows [0, num_decodes) are one-token decode rows
     prefills: list[PrefillSegment] = field(default_factory=list)
     slot_mapping: torch.Tensor | None = None  # [T] int64 slot per new token; None: no cache
-    decode_kv_index: torch.Tensor | None = None  # [B, S] int64, context slots per decode row
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, S] bool; None when no row is padded
+    # Rows of the flattened [Hkv * slots, D] cache for the decode rows, ordered so that one
+    # index_select yields [B, Hkv, S, D] contiguous (padded rows point at row 0, masked).
+    decode_kv_index: torch.Tensor | None = None  # [B * Hkv * S] int64
+    decode_shape: tuple[int, int] = (0, 0)  # (B, S)
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, S] float (0 / -inf); None: no padding
 
 
 def causal_prefix_mask(q_len: int, ctx_len: int) -> torch.Tensor:
@@ -47,10 +51,19 @@ def causal_prefix_mask(q_len: int, ctx_len: int) -> torch.Tensor:
     return torch.arange(ctx_len).unsqueeze(0) <= rows
 
 
-def _gather(cache: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """cache [Hkv, slots, D], index [B, S] -> [B, Hkv, S, D], contiguous, in one copy."""
-    B, S = index.shape
-    return cache.index_select(1, index.reshape(-1)).view(-1, B, S, cache.shape[-1]).transpose(0, 1)
+def flat_kv_index(slots: torch.Tensor, num_kv_heads: int, num_slots: int) -> torch.Tensor:
+    """[B, S] cache slots -> [B * Hkv * S] rows of the flattened [Hkv * slots, D] cache."""
+    heads = torch.arange(num_kv_heads).view(1, -1, 1) * num_slots  # [1, Hkv, 1]
+    return (heads + slots.unsqueeze(1)).reshape(-1)
+
+
+def _gather(cache: torch.Tensor, index: torch.Tensor, B: int, S: int) -> torch.Tensor:
+    """cache [Hkv, slots, D] -> [B, Hkv, S, D], contiguous, in one copy.
+
+    A dim-0 index_select over whole 256-byte rows was measured ~5x faster here than
+    selecting along the slot dimension and transposing."""
+    D = cache.shape[-1]
+    return cache.view(-1, D).index_select(0, index).view(B, -1, S, D)
 
 
 def paged_attention(
@@ -69,10 +82,9 @@ def paged_attention(
     n = meta.num_decodes
     if n:
         assert kv_cache is not None and meta.decode_kv_index is not None
-        keys = _gather(kv_cache[0], meta.decode_kv_index)  # [B, Hkv, S, D]
-        values = _gather(kv_cache[1], meta.decode_kv_index)
-        if n > 1:  # batch-major for SDPA; for one row the transpose is already a no-op view
-            keys, values = keys.contiguous(), values.contiguous()
+        B, S = meta.decode_shape
+        keys = _gather(kv_cache[0], meta.decode_kv_index, B, S)  # [B, Hkv, S, D]
+        values = _gather(kv_cache[1], meta.decode_kv_index, B, S)
         o = F.scaled_dot_product_attention(
             q[:n].unsqueeze(2), keys, values,  # q: [B, H, 1, D]
             attn_mask=meta.decode_mask, scale=scale, enable_gqa=True,
@@ -89,8 +101,9 @@ def paged_attention(
             )
         else:
             assert kv_cache is not None
-            ks = _gather(kv_cache[0], seg.kv_index.unsqueeze(0))  # [1, Hkv, ctx, D]
-            vs = _gather(kv_cache[1], seg.kv_index.unsqueeze(0))
+            ctx = seg.kv_index.shape[0] // kv_cache.shape[1]
+            ks = _gather(kv_cache[0], seg.kv_index, 1, ctx)  # [1, Hkv, ctx, D]
+            vs = _gather(kv_cache[1], seg.kv_index, 1, ctx)
             o = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=seg.mask, scale=scale, enable_gqa=True
             )
