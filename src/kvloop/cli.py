@@ -75,6 +75,20 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_flags(gen)
     _engine_flags(gen)
 
+    roof = sub.add_parser("roofline", help="predict TTFT and time per token from first "
+                          "principles (and, for a loaded model, compare with kvloop)")
+    roof.add_argument("--params", type=float, default=None,
+                      help="a hypothetical model's parameter count (e.g. 13e9); "
+                           "without it, the model given by --model (or the default) is measured")
+    roof.add_argument("--dtype", default="fp16", help="weights' type with --params "
+                      "(fp32, fp16, bf16, int8, int4, q8_0, q4_0, q4_1)")
+    roof.add_argument("--prompt-tokens", type=int, default=512)
+    roof.add_argument("--output-tokens", type=int, default=128)
+    roof.add_argument("--flops", type=float, default=None, help="FLOP/s (default: measured here)")
+    roof.add_argument("--bandwidth", type=float, default=None,
+                      help="memory bytes/s (default: measured here)")
+    _engine_flags(roof)
+
     chat = sub.add_parser("chat", help="an interactive conversation")
     chat.add_argument("--system", default=None)
     _sampling_flags(chat)
@@ -235,12 +249,62 @@ def cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": "".join(reply)})
 
 
+def cmd_roofline(args: argparse.Namespace) -> int:
+    from kvloop import roofline as rl
+
+    if args.prompt_tokens < 1 or args.output_tokens < 1:
+        raise KvloopError("--prompt-tokens and --output-tokens must be >= 1")
+    if args.params is not None and args.params <= 0:
+        raise KvloopError(f"--params must be > 0, got {args.params}")
+    dtype = args.dtype.lower()
+    if dtype not in rl.BYTES_PER_PARAM:
+        raise KvloopError(f"unknown --dtype {args.dtype!r}; one of {sorted(rl.BYTES_PER_PARAM)}")
+    if args.flops is None or args.bandwidth is None:
+        from kvloop.engine.machine import measure_bandwidth, measure_flops
+
+        flops = args.flops or measure_flops()
+        bandwidth = args.bandwidth or measure_bandwidth()
+    else:
+        flops, bandwidth = args.flops, args.bandwidth
+    machine = rl.Machine(flops, bandwidth)
+    if args.params is not None:
+        pred = rl.predict(args.params, rl.BYTES_PER_PARAM[dtype], args.prompt_tokens,
+                          args.output_tokens, machine)
+        print(f"model: {args.params / 1e9:,.3g} B parameters, {dtype}; prompt "
+              f"{args.prompt_tokens} tokens, {args.output_tokens} output tokens")
+        print(rl.report(pred, machine))
+        return 0
+
+    llm = _make_llm(args)
+    c = llm.engine.model_config
+    weight_bytes = llm.engine.model.decode_read_bytes()
+    n_params = c.num_params()
+    kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+    pred = rl.predict(n_params, weight_bytes / n_params, args.prompt_tokens,
+                      args.output_tokens, machine, kv_per_token)
+    print(f"model: {llm.engine.checkpoint.name}, {n_params / 1e6:,.1f} M parameters, "
+          f"{weight_bytes / 1e6:,.0f} MB read per decode step; prompt {args.prompt_tokens} "
+          f"tokens, {args.output_tokens} output tokens")
+    print(rl.report(pred, machine))
+    ids = list(range(100, 100 + args.prompt_tokens))
+    params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
+    out = llm.generate([ids], params)[0]
+    m = out.metrics
+    ttft, tpot = m.ttft or float("nan"), m.tpot or float("nan")
+    print(f"measured: TTFT {ttft * 1e3:,.1f} ms ({pred.ttft_s / ttft:.0%} of the compute "
+          f"limit), {tpot * 1e3:,.2f} ms/token ({pred.decode_step_s / tpot:.0%} of the "
+          f"bandwidth limit)")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "roofline":
+            return cmd_roofline(args)
         return cmd_chat(args)
     except KvloopError as e:
         print(f"kvloop: error: {e}", file=sys.stderr)

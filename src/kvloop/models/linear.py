@@ -35,6 +35,13 @@ class Linear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
         self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes a forward pass reads for the weight (and bias)."""
+        w = self.packed if self.packed is not None else self.weight
+        n = self.in_features * self.out_features * w.element_size()
+        return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")

@@ -127,6 +127,13 @@ class LlamaForCausalLM(nn.Module):
     def linears(self) -> list[Linear]:
         return [m for m in self.modules() if isinstance(m, Linear)]
 
+    def decode_read_bytes(self) -> int:
+        """Weight bytes one decode step reads: every linear layer (the head included) and the
+        norms; of the embedding table only one row per token, so it is left out."""
+        norms = sum(m.weight.numel() * m.weight.element_size()
+                    for m in self.modules() if isinstance(m, RMSNorm))
+        return sum(lin.weight_bytes for lin in self.linears()) + norms
+
     def pack_weights(self) -> None:
         """Switch every linear layer to the fastest kernel layout (after load_weights)."""
         for lin in self.linears():
