@@ -52,6 +52,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="re-run the whole sequence every step (no KV cache)")
     g.add_argument("--kv-cache-memory", default="2GiB")
     g.add_argument("--threads", type=int, default=None)
+    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                   help="weight-only quantization of the linear layers (default: fp32)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -123,7 +125,7 @@ def _make_llm(args: argparse.Namespace) -> Any:
     from kvloop.engine.llm import LLM  # deferred: torch import is slow, --help stays fast
 
     return LLM(args.model, use_cache=not args.no_cache, kv_cache_memory=args.kv_cache_memory,
-               num_threads=args.threads)
+               num_threads=args.threads, quantization=args.quantization)
 
 
 def _figures(metrics: dict[str, Any]) -> str:

@@ -75,4 +75,6 @@ class EngineConfig:
     dtype: str = "float32"
     # Reorder linear weights for oneDNN (faster); False keeps F.linear, the reference path.
     pack_weights: bool = True
+    # Weight-only quantization of the linear layers: "none" (fp32), "int8" or "int4".
+    quantization: str = "none"
     extra: dict = field(default_factory=dict)

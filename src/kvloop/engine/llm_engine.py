@@ -27,7 +27,9 @@ from kvloop.kv_cache import KVCacheManager
 from kvloop.loading.loader import Checkpoint, load_checkpoint
 from kvloop.loading.tokenizer import Tokenizer
 from kvloop.models import LlamaForCausalLM, build_model
+from kvloop.models.quantize import quantize_model
 from kvloop.params import SamplingParams
+from kvloop.quant import QUANTIZATIONS
 from kvloop.request import Request, RequestStatus
 from kvloop.runner import ModelRunner, SampledToken, kv_cache_bytes_per_block
 from kvloop.sampling.beam import BeamSearch
@@ -61,11 +63,15 @@ class _Group:
         return self.num_pending_forks == 0 and all(s.request.is_finished for s in self.seqs)
 
 
-def load_model(checkpoint: Checkpoint, pack: bool = True) -> LlamaForCausalLM:
+def load_model(checkpoint: Checkpoint, pack: bool = True,
+               quantization: str = "none") -> LlamaForCausalLM:
     model = build_model(checkpoint.config)
     model.load_weights(checkpoint.weights())
+    if quantization != "none":
+        source = checkpoint.int4_weights() if quantization == "int4" else None
+        quantize_model(model, quantization, source)
     if pack:
-        model.pack_weights()
+        model.pack_weights()  # whatever stayed fp32
     return model.eval()
 
 
@@ -81,7 +87,11 @@ class LLMEngine:
         self.checkpoint = checkpoint or load_checkpoint(model)
         self.model_config: ModelConfig = self.checkpoint.config
         self.tokenizer: Tokenizer = self.checkpoint.tokenizer
-        self.model = load_model(self.checkpoint, self.config.pack_weights)
+        if self.config.quantization not in QUANTIZATIONS:
+            raise InvalidParamsError(f"quantization must be one of {QUANTIZATIONS}, got "
+                                     f"{self.config.quantization!r}")
+        self.model = load_model(self.checkpoint, self.config.pack_weights,
+                                self.config.quantization)
         c, ec = self.model_config, self.config
         self.max_model_len = min(ec.max_model_len or c.max_position_embeddings,
                                  c.max_position_embeddings)

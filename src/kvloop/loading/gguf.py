@@ -18,6 +18,7 @@ import torch
 
 from kvloop.config import ModelConfig
 from kvloop.errors import ModelLoadError
+from kvloop.quant.int4 import GROUP_SIZE, Int4Weights
 
 GGUF_MAGIC = b"GGUF"
 
@@ -175,3 +176,45 @@ class GGUFFile:
                 w = unpermute_qk(w, config.num_kv_heads)
             # F32 tensors are read-only views of the memory map: copy only those.
             yield name, torch.from_numpy(np.require(w, requirements=["C", "W"]))
+
+    def int4_weights(self, config: ModelConfig) -> dict[str, Int4Weights]:
+        """The Q4_0 / Q4_1 tensors as 4-bit codes with group scales and zeros, exactly as
+        stored (no re-quantization), renamed and un-permuted like `tensors`."""
+        permute = ARCHITECTURES[self.architecture]
+        out: dict[str, Int4Weights] = {}
+        for t in self.reader.tensors:
+            name = hf_name(t.name)
+            kind = t.tensor_type
+            if name is None or kind not in (gguf.GGMLQuantizationType.Q4_0,
+                                            gguf.GGMLQuantizationType.Q4_1):
+                continue
+            w = _unpack_q4(np.asarray(t.data), kind == gguf.GGMLQuantizationType.Q4_1)
+            rows, cols = (int(d) for d in reversed(t.shape))
+            codes, scales, zeros = (a.reshape(rows, -1) for a in w)
+            if permute and name.endswith("q_proj.weight"):
+                codes, scales, zeros = (unpermute_qk(a, config.num_heads)
+                                        for a in (codes, scales, zeros))
+            elif permute and name.endswith("k_proj.weight"):
+                codes, scales, zeros = (unpermute_qk(a, config.num_kv_heads)
+                                        for a in (codes, scales, zeros))
+            assert codes.shape == (rows, cols)
+            out[name] = Int4Weights(*(torch.from_numpy(np.ascontiguousarray(a))
+                                      for a in (codes, scales, zeros)))
+        return out
+
+
+def _unpack_q4(raw: np.ndarray, with_min: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """GGUF Q4_0 (d, 16 bytes) / Q4_1 (d, m, 16 bytes) blocks of 32 weights -> codes
+    [blocks, 32] uint8, scales and zeros [blocks] fp32 with w = scale * (q - 8) + zero.
+
+    In a block, byte j holds weight j in its low nibble and weight j + 16 in its high one.
+    """
+    head = 4 if with_min else 2
+    blocks = raw.reshape(-1, head + GROUP_SIZE // 2)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)[:, 0]
+    qs = blocks[:, head:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.uint8)
+    if with_min:  # w = d * q + m = d * (q - 8) + (m + 8 d)
+        m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)[:, 0]
+        return codes, d, m + 8.0 * d
+    return codes, d, np.zeros_like(d)  # w = d * (q - 8)

