@@ -33,8 +33,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var = x.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x * torch.rsqrt(var + self.eps))
+        # One fused op; bitwise equal to HF's x * rsqrt(mean(x^2) + eps) * w here.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -51,18 +51,17 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, hidden]
-        rope: RotaryEmbedding,
-        positions: torch.Tensor,  # [T]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D]
         kv_cache: torch.Tensor | None,  # [2, Hkv, slots, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, q + 2kv]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         T = x.shape[0]
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+        qk_size = self.q_size + self.kv_size
+        qk = qkv[:, :qk_size].reshape(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = RotaryEmbedding.rotate(qk, *rope)  # queries and keys rotated in one pass
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, qk_size:].view(T, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(o.reshape(T, self.q_size))
 
@@ -90,12 +89,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: RotaryEmbedding,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: torch.Tensor | None,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, positions, kv_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -117,8 +115,9 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor] | None = None,  # one [2, Hkv, slots, D] per layer
     ) -> torch.Tensor:  # [T, hidden], final-normed
         x = F.embedding(input_ids, self.embed_tokens)
+        rope = self.rope.cos_sin(positions)
         for i, layer in enumerate(self.layers):
-            x = layer(x, self.rope, positions, None if kv_caches is None else kv_caches[i], meta)
+            x = layer(x, rope, None if kv_caches is None else kv_caches[i], meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
