@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 from kvloop.errors import KvloopError
 from kvloop.params import SamplingParams
+from kvloop.server.cli import add_serve_parser, cmd_serve
 
 EXIT_USAGE = 2
 
@@ -90,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     roof.add_argument("--bandwidth", type=float, default=None,
                       help="memory bytes/s (default: measured here)")
     _engine_flags(roof)
+
+    add_serve_parser(sub)
 
     chat = sub.add_parser("chat", help="an interactive conversation")
     chat.add_argument("--system", default=None)
@@ -307,6 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "roofline":
             return cmd_roofline(args)
+        if args.command == "serve":
+            return cmd_serve(args)
         return cmd_chat(args)
     except KvloopError as e:
         print(f"kvloop: error: {e}", file=sys.stderr)

@@ -3,7 +3,13 @@ can catch one type; the CLI turns them into one line and exit status 2."""
 
 
 class KvloopError(ValueError):
-    """A user-facing problem: bad input, a bad file, an unsupported model."""
+    """A user-facing problem: bad input, a bad file, an unsupported model.
+
+    `param` names the offending field when there is one (the server reports it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelLoadError(KvloopError):

@@ -59,7 +59,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(name: str, value: object, rule: str) -> InvalidParamsError:
-            return InvalidParamsError(f"{name} must be {rule}, got {value!r}")
+            return InvalidParamsError(f"{name} must be {rule}, got {value!r}",
+                                      param=name.split()[0])
 
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise bad("max_tokens", self.max_tokens, "an integer >= 1")

@@ -202,8 +202,9 @@ class AsyncEngine:
                 outputs = eng.step()
                 self._dispatch(outputs)
                 self._publish()
-                if eng.num_steps == steps and not outputs:
-                    self._apply(self._drain(block=True, timeout=_IDLE_POLL_S))
+                if (eng.num_steps == steps and not outputs
+                        and self._apply(self._drain(block=True, timeout=_IDLE_POLL_S))):
+                    break
         except BaseException as e:  # any failure leaves the engine in an unknown state
             logger.exception("engine loop failed; failing all requests")
             self._fail_all(e)
@@ -263,7 +264,10 @@ class AsyncEngine:
         self.engine.abort(request_id)
         stream.push(None)
         if self.observer is not None:
-            self.observer.on_abort(request_id, stream.last)
+            try:
+                self.observer.on_abort(request_id, stream.last)
+            except Exception:  # a metrics bug must not take the engine down
+                logger.exception("output observer failed")
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

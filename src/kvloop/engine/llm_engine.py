@@ -139,7 +139,12 @@ class LLMEngine:
             if bad:
                 raise InvalidParamsError(f"prompt token ids out of range: {bad[:5]}")
         if not ids:
-            raise InvalidParamsError("the prompt is empty")
+            raise InvalidParamsError("the prompt is empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        bad_bias = [t for t in (params.logit_bias or {}) if not 0 <= t < vocab]
+        if bad_bias:
+            raise InvalidParamsError(f"logit_bias token ids out of range [0, {vocab}): "
+                                     f"{bad_bias[:5]}", param="logit_bias")
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens but the model's context is {self.max_model_len} "

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvloop.engine.async_engine import AsyncEngine
 from kvloop.engine.llm_engine import LLMEngine
-from kvloop.server.errors import APIError, from_validation_error
+from kvloop.server.errors import APIError, bad_request, from_validation_error
 from kvloop.server.metrics import ServerMetrics
 from kvloop.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from kvloop.server.protocol import (
@@ -74,7 +74,13 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None) -> Fas
         return exc.response()
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> Response:
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        content_type = request.headers.get("content-type", "")
+        if request.method == "POST" and "json" not in content_type.lower():
+            # FastAPI only parses JSON bodies; `curl -d` alone sends a form type.
+            return bad_request(f"send the body as JSON with Content-Type: application/json "
+                               f"(got {content_type or 'no Content-Type'})",
+                               code="invalid_content_type").response()
         return from_validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)

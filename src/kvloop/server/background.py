@@ -18,6 +18,7 @@ from fastapi import FastAPI
 class BackgroundServer:
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0,
                  log_level: str = "warning") -> None:
+        self.app = app
         # Bind here, so port 0 gets a free port we know before uvicorn starts.
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -72,8 +72,8 @@ def _check(args: argparse.Namespace) -> None:
     """Refuse bad flags before the slow model load."""
     if not 0 <= args.port <= 65535:
         raise KvloopError(f"--port must be in [0, 65535], got {args.port}")
-    if args.max_waiting < 0:
-        raise KvloopError(f"--max-waiting must be >= 0, got {args.max_waiting}")
+    if args.max_waiting < 1:
+        raise KvloopError(f"--max-waiting must be >= 1, got {args.max_waiting}")
     if args.max_body_bytes < 1:
         raise KvloopError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
     for flag in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -92,12 +92,17 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $KVLOOP_API_KEY; empty means none."""
+    return args.api_key or os.environ.get(API_KEY_ENV) or None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     _check(args)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kvloop.server")
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = resolve_api_key(args)
     if api_key is None and not _is_loopback(args.host):
         log.warning("binding %s without --api-key: anyone who can reach it can use it",
                     args.host)

@@ -56,7 +56,9 @@ def from_kvloop_error(e: KvloopError, field_names: Mapping[str, str] | None = No
     message = str(e)
     word = message.split(" ", 1)[0]
     param = None
-    if word in _SAMPLING_FIELDS:
+    if e.param is not None:
+        param = (field_names or {}).get(e.param, e.param)
+    elif word in _SAMPLING_FIELDS:
         param = (field_names or {}).get(word, word)
     elif message.startswith("prompt"):
         param = "prompt"

@@ -83,8 +83,7 @@ class ServerMetrics:
         if not out.finished:
             return
         m = out.metrics
-        first_cached = m.num_cached_tokens
-        self.cached_tokens.inc(first_cached)
+        self.cached_tokens.inc(m.num_cached_tokens)
         if m.ttft is not None:
             self.ttft.observe(m.ttft)
         if m.tpot is not None:

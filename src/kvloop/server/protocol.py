@@ -26,7 +26,7 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _SamplingRequest(_Strict):
+class SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None  # optional here; when given it must name the served model
@@ -59,7 +59,7 @@ class _SamplingRequest(_Strict):
     early_stopping: bool | Literal["never"] | None = None
 
 
-class CompletionRequest(_SamplingRequest):
+class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False  # only False is supported; accepted because clients send it
@@ -84,7 +84,7 @@ class ChatMessage(_Strict):
         return "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False

@@ -44,10 +44,10 @@ from kvloop.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     PromptTokensDetails,
+    SamplingRequest,
     TokenLogprob,
     TopLogprob,
     Usage,
-    _SamplingRequest,
     dump_chunk,
 )
 
@@ -69,6 +69,17 @@ class _Job:
     streams: list[RequestStream] = field(default_factory=list)
 
 
+@dataclass
+class _Delta:
+    """New text and tokens of one choice, for one streamed chunk."""
+
+    index: int
+    output: CompletionOutput
+    text: str
+    token_ids: list[int]
+    ending: bool
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine = engine
@@ -87,7 +98,7 @@ class OpenAIServing:
             raise bad_request("echo is not supported", "echo", "unsupported")
         if req.suffix is not None:
             raise bad_request("suffix is not supported", "suffix", "unsupported")
-        prompts = self._completion_prompts(req.prompt)
+        prompts = await self._completion_prompts(req.prompt)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
         for ids in prompts:
             self._check_context(ids, max_tokens, "prompt", "max_tokens")
@@ -116,7 +127,7 @@ class OpenAIServing:
         messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
                     for m in req.messages]
         try:
-            ids = self.tokenizer.encode_chat(messages)
+            ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages)
         except KvloopError as e:  # no chat template, or the template refused the conversation
             raise bad_request(str(e), "messages") from e
         limit = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -143,14 +154,14 @@ class OpenAIServing:
         return JSONResponse(resp.model_dump(mode="json"), headers=_id_header(job))
 
     # -- checks and translation -----------------------------------------------------------------
-    def _check_common(self, req: _SamplingRequest) -> None:
+    def _check_common(self, req: SamplingRequest) -> None:
         if req.model is not None and req.model != self.model_name:
             raise APIError(400, f"model {req.model!r} is not served here (this server serves "
                            f"{self.model_name!r}; see GET /v1/models)", param="model",
                            code="model_not_found")
 
-    def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]
-                            ) -> list[list[int]]:
+    async def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]
+                                  ) -> list[list[int]]:
         items: list[str | list[int]] = []
         if isinstance(prompt, str):
             items = [prompt]
@@ -162,7 +173,9 @@ class OpenAIServing:
             raise bad_request("prompt is empty", "prompt")
         out = []
         for p in items:
-            ids = self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            # Off the event loop: a long prompt must not stall every other stream.
+            ids = (await asyncio.to_thread(self.tokenizer.encode, p) if isinstance(p, str)
+                   else list(p))
             if not ids:
                 raise bad_request("prompt is empty", "prompt")
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -204,7 +217,7 @@ class OpenAIServing:
             out[tok] = value
         return out
 
-    def _params(self, req: _SamplingRequest, max_tokens: int, logprobs: int | None,
+    def _params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
                 names: dict[str, str]) -> SamplingParams:
         """SamplingParams from the request; unset fields keep the engine's defaults."""
         kw: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": logprobs,
@@ -290,31 +303,42 @@ class OpenAIServing:
                                  headers={**_SSE_HEADERS, **_id_header(job)})
 
     # -- streaming ------------------------------------------------------------------------------
-    async def _completion_chunks(self, job: _Job, include_usage: bool) -> AsyncIterator[str]:
-        offsets: dict[int, int] = {}
-        finished: set[int] = set()
-        finals: dict[int, RequestOutput] = {}
+    async def _deltas(self, job: _Job, finals: dict[int, RequestOutput]
+                      ) -> AsyncIterator[_Delta]:
+        """What each choice gained since it was last sent, one item per changed choice.
+
+        Counted here from each output's text and token ids rather than taken from the
+        engine's per-step delta, so an output that arrives whole (beam search) streams too.
+        """
+        sent: dict[int, tuple[int, int]] = {}  # choice -> (characters, tokens) sent
         want_lp = job.params.logprobs is not None
         async for k, out in _merge(job.streams):
             finals[k] = out
             for c in out.outputs:
                 idx = k * job.choices_per_prompt + c.index
-                ending = c.finish_reason is not None and idx not in finished
-                if not (c.delta or ending or (want_lp and c.delta_token_ids)):
+                chars, toks = sent.get(idx, (0, 0))
+                if chars < 0:
+                    continue  # this choice already ended
+                text, ids = c.text[chars:], c.token_ids[toks:]
+                ending = c.finish_reason is not None
+                if not (text or ending or (want_lp and ids)):
                     continue
-                new_ids = c.delta_token_ids
-                choice = CompletionChoice(
-                    index=idx, text=c.delta,
-                    logprobs=self._completion_logprobs(c, new_ids, offsets.get(idx, 0)),
-                    finish_reason=c.finish_reason if ending else None,
-                    stop_reason=c.stop_reason if ending else None)
-                if choice.logprobs is not None and choice.logprobs.text_offset:
-                    offsets[idx] = choice.logprobs.text_offset[-1] + len(
-                        choice.logprobs.tokens[-1])
-                if ending:
-                    finished.add(idx)
-                yield dump_chunk(CompletionResponse(id=job.request_id, model=self.model_name,
-                                                    choices=[choice]))
+                sent[idx] = (-1, -1) if ending else (len(c.text), len(c.token_ids))
+                yield _Delta(idx, c, text, ids, ending)
+
+    async def _completion_chunks(self, job: _Job, include_usage: bool) -> AsyncIterator[str]:
+        finals: dict[int, RequestOutput] = {}
+        offsets: dict[int, int] = {}  # choice -> text offset of its next token
+        async for d in self._deltas(job, finals):
+            lp = self._completion_logprobs(d.output, d.token_ids, offsets.get(d.index, 0))
+            if lp is not None and lp.tokens:
+                offsets[d.index] = lp.text_offset[-1] + len(lp.tokens[-1])
+            choice = CompletionChoice(
+                index=d.index, text=d.text, logprobs=lp,
+                finish_reason=d.output.finish_reason if d.ending else None,
+                stop_reason=d.output.stop_reason if d.ending else None)
+            yield dump_chunk(CompletionResponse(id=job.request_id, model=self.model_name,
+                                                choices=[choice]))
         if include_usage:
             yield dump_chunk(CompletionResponse(
                 id=job.request_id, model=self.model_name, choices=[],
@@ -328,24 +352,15 @@ class OpenAIServing:
         # The role first, as OpenAI does: the client sees the reply begin at once.
         for i in range(job.choices_per_prompt):
             yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
-        finished: set[int] = set()
-        final: RequestOutput | None = None
-        want_lp = job.params.logprobs is not None
-        async for _, out in _merge(job.streams):
-            final = out
-            for c in out.outputs:
-                ending = c.finish_reason is not None and c.index not in finished
-                if not (c.delta or ending or (want_lp and c.delta_token_ids)):
-                    continue
-                if ending:
-                    finished.add(c.index)
-                yield chunk([ChatChunkChoice(
-                    index=c.index, delta=ChatDelta(content=c.delta or None),
-                    logprobs=self._chat_logprobs(c, c.delta_token_ids),
-                    finish_reason=c.finish_reason if ending else None,
-                    stop_reason=c.stop_reason if ending else None)])
-        if include_usage and final is not None:
-            yield chunk([], _usage([final]))
+        finals: dict[int, RequestOutput] = {}
+        async for d in self._deltas(job, finals):
+            yield chunk([ChatChunkChoice(
+                index=d.index, delta=ChatDelta(content=d.text or None),
+                logprobs=self._chat_logprobs(d.output, d.token_ids),
+                finish_reason=d.output.finish_reason if d.ending else None,
+                stop_reason=d.output.stop_reason if d.ending else None)])
+        if include_usage and finals:
+            yield chunk([], _usage([finals[0]]))
 
     # -- logprobs -------------------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:
@@ -382,7 +397,7 @@ class OpenAIServing:
             return None
         lps, tops = self._tail(c, len(ids))
         content = []
-        for i, (t, lp) in enumerate(zip(ids, lps, strict=True)):
+        for i, (t, lp) in enumerate(zip(ids, lps, strict=False)):
             text = self.token_text(t)
             top = [TopLogprob(token=self.token_text(a), logprob=b,
                               bytes=list(self.token_text(a).encode()))
