@@ -75,6 +75,8 @@ class EngineConfig:
     dtype: str = "float32"
     # Reorder linear weights for oneDNN (faster); False keeps F.linear, the reference path.
     pack_weights: bool = True
+    # Native C++ kernels (paged attention), built at first use; False: PyTorch only.
+    use_kernels: bool = True
     # Weight-only quantization of the linear layers: "none" (fp32), "int8" or "int4".
     quantization: str = "none"
     extra: dict = field(default_factory=dict)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvloop import kernels
 from kvloop.batch import SchedulerOutput
 from kvloop.models import AttentionMetadata, LlamaForCausalLM, PrefillSegment
 from kvloop.models.attention import causal_prefix_mask, flat_kv_index
@@ -36,7 +37,7 @@ def kv_cache_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int,
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int,
-                 use_cache: bool = True) -> None:
+                 use_cache: bool = True, use_kernels: bool = True) -> None:
         self.model = model
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
@@ -48,6 +49,9 @@ class ModelRunner:
             if use_cache else None
         )
         self.sampler = Sampler()
+        # The native paged-attention kernel (built once, cached); the PyTorch gather + SDPA
+        # path is the fallback and the reference it is tested against.
+        self.use_kernels = use_cache and use_kernels and kernels.available()
         self._generators: dict[str, torch.Generator] = {}
 
     # -- per-request state ------------------------------------------------------------------
@@ -131,7 +135,11 @@ class ModelRunner:
         meta.slot_mapping = tables[seq_of_row, pos // bs] * bs + pos % bs  # [T]
 
         heads, num_slots = self.model.config.num_kv_heads, self.num_slots
-        if sched.decodes:
+        if sched.decodes and self.use_kernels:
+            meta.decode_block_tables = tables[: len(sched.decodes)]  # padding is never read
+            meta.decode_context_lens = torch.tensor([s.context_len for s in sched.decodes])
+            meta.block_size = bs
+        elif sched.decodes:
             n = len(sched.decodes)
             ctx = torch.tensor([s.context_len for s in sched.decodes])  # [B]
             S = int(ctx.max())

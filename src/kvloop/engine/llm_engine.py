@@ -108,7 +108,8 @@ class LLMEngine:
             self.max_model_len = min(self.max_model_len, usable)
         self.scheduler = Scheduler(
             SchedulerConfig(ec.max_num_seqs, ec.max_num_batched_tokens, ec.use_cache), self.kv)
-        self.runner = ModelRunner(self.model, ec.block_size, num_blocks, ec.use_cache)
+        self.runner = ModelRunner(self.model, ec.block_size, num_blocks, ec.use_cache,
+                                  ec.use_kernels)
         self._groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, _Group] = {}
         self._ids = itertools.count()

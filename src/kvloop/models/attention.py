@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvloop import kernels
+
 
 @dataclass
 class PrefillSegment:
@@ -42,6 +44,11 @@ class AttentionMetadata:
     decode_kv_index: torch.Tensor | None = None  # [B * Hkv * S] int64
     decode_shape: tuple[int, int] = (0, 0)  # (B, S)
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, S] float (0 / -inf); None: no padding
+    # Decode rows for the native kernel, which reads the cache in place through the block
+    # tables (no gather). When set, decode_kv_index is not used.
+    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] int64, padded
+    decode_context_lens: torch.Tensor | None = None  # [B] int64, the new token included
+    block_size: int = 0
 
 
 def causal_prefix_mask(q_len: int, ctx_len: int) -> torch.Tensor:
@@ -80,7 +87,12 @@ def paged_attention(
 
     out = torch.empty_like(q)
     n = meta.num_decodes
-    if n:
+    if n and meta.decode_block_tables is not None:
+        assert kv_cache is not None and meta.decode_context_lens is not None
+        out[:n] = kernels.paged_decode_attention(
+            q[:n], kv_cache, meta.decode_block_tables, meta.decode_context_lens,
+            meta.block_size, scale)  # [B, H, D]
+    elif n:
         assert kv_cache is not None and meta.decode_kv_index is not None
         B, S = meta.decode_shape
         keys = _gather(kv_cache[0], meta.decode_kv_index, B, S)  # [B, Hkv, S, D]
