@@ -203,27 +203,8 @@ class TransformersEngine:
         return len(prompt) / timed(lambda: self.hf._generate(prompt, 1, True))
 
     def throughput(self, prompts: list[list[int]], new_tokens: int) -> float:
-        """The prompts as one left-padded static batch (bench_throughput's method)."""
-        import copy
-
-        import torch
-
-        model, pad = self.hf.model, 0
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):  # left padding, as generate expects
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        cfg = copy.deepcopy(model.generation_config)
-        cfg.update(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                   pad_token_id=pad)
-        t = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(ids, attention_mask=mask, generation_config=cfg)
-        wall = time.perf_counter() - t
-        assert out.shape[1] - width == new_tokens
-        return new_tokens * len(prompts) / wall
+        """The prompts as one left-padded static batch."""
+        return self.hf.static_batch_throughput(prompts, new_tokens)
 
     def read_bytes(self) -> int:
         """Every linear layer (the head: the tied embedding, read in full) and the norms,

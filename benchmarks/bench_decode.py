@@ -63,6 +63,25 @@ class HF:
             self.model.generate(torch.tensor([ids]), generation_config=cfg,
                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))
 
+    def static_batch_throughput(self, prompts: list[list[int]], new_tokens: int) -> float:
+        """Generated tokens/s for the prompts as one left-padded static batch."""
+        pad = 0
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):  # left padding, as generate expects
+            ids[i, width - len(p):] = torch.tensor(p)
+            mask[i, width - len(p):] = 1
+        cfg = copy.deepcopy(self.model.generation_config)
+        cfg.update(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                   pad_token_id=pad)
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=mask, generation_config=cfg)
+        wall = time.perf_counter() - t
+        assert out.shape[1] - width == new_tokens
+        return new_tokens * len(prompts) / wall
+
     def prefill(self, salt: int, tok) -> float:
         ids = prompt_ids(tok, PREFILL_TOKENS, salt)
         return PREFILL_TOKENS / timed(lambda: self._generate(ids, 1, True))

@@ -11,17 +11,14 @@ to the last token (prefill included).
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))
+from bench_decode import HF
 from common import machine_line, prompt_ids, write_section
 from kvloop import LLM, SamplingParams
-from kvloop.loading.loader import DEFAULT_MODEL_FILE, default_model_path
 
 NEW_TOKENS = 128
 
@@ -44,33 +41,6 @@ def kvloop_throughput(llm: LLM, prompts: list[list[int]]) -> tuple[float, dict]:
     return n / wall, info
 
 
-class HF:
-    def __init__(self) -> None:
-        from transformers import AutoModelForCausalLM
-
-        path = default_model_path()
-        self.model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=DEFAULT_MODEL_FILE, dtype=torch.float32).eval()
-        self.model.generation_config.eos_token_id = None
-
-    def throughput(self, prompts: list[list[int]], pad: int) -> float:
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(prompts):  # left padding, as generate expects
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        cfg = copy.deepcopy(self.model.generation_config)
-        cfg.update(do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                   pad_token_id=pad)
-        t = time.perf_counter()
-        with torch.inference_mode():
-            out = self.model.generate(ids, attention_mask=mask, generation_config=cfg)
-        wall = time.perf_counter() - t
-        assert out.shape[1] - width == NEW_TOKENS
-        return NEW_TOKENS * len(prompts) / wall
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
@@ -79,14 +49,14 @@ def main() -> None:
     args = ap.parse_args()
 
     llm = LLM(max_num_seqs=max(args.concurrency))
-    hf = None if args.no_hf else HF()
+    hf = None if args.no_hf else HF()  # bench_decode's: the same GGUF, EOS ignored
     kvloop_throughput(llm, workload(llm.tokenizer, 2, 99))  # warm-up
     rows = []
     t0 = time.time()
     for i, n in enumerate(args.concurrency):
         prompts = workload(llm.tokenizer, n, i)
         ours, info = kvloop_throughput(llm, prompts)
-        theirs = hf.throughput(prompts, pad=0) if hf else float("nan")
+        theirs = hf.static_batch_throughput(prompts, NEW_TOKENS) if hf else float("nan")
         rows.append((n, ours, theirs, info))
         print(f"{n:3d} requests: kvloop {ours:7.1f} tok/s ({info}), transformers {theirs:7.1f}",
               flush=True)
