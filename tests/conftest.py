@@ -77,6 +77,23 @@ def write_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **ove
     return path
 
 
+def write_gguf(path: Path, tensors, arch: str = "llama", metadata=None) -> Path:
+    """Write a GGUF file: `metadata(writer)` adds key/values, then `tensors`, a list of
+    (name, array, quant type or None); raw uint8 bytes when a quant type is given."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    if metadata is not None:
+        metadata(w)
+    for name, data, qtype in tensors:
+        w.add_tensor(name, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 import pytest
 
-from conftest import write_tiny_model
+from conftest import write_gguf, write_tiny_model
 from kvloop import LLM, SamplingParams
 from kvloop.cli import main
 from kvloop.errors import InvalidParamsError, KvloopError, ModelLoadError, PromptTooLongError
@@ -32,8 +32,9 @@ def write_llama_gguf(path: Path, tensors: list[tuple[str, np.ndarray, gguf.GGMLQ
     """A small but complete GGUF: llama.* hyper-parameters, a byte-level vocabulary, tensors."""
     from tokenizers import pre_tokenizers
 
-    w = gguf.GGUFWriter(str(path), arch)
-    if arch == "llama":
+    def metadata(w: gguf.GGUFWriter) -> None:
+        if arch != "llama":
+            return
         w.add_context_length(CONTEXT)
         w.add_embedding_length(256)
         w.add_block_count(1)
@@ -43,13 +44,8 @@ def write_llama_gguf(path: Path, tensors: list[tuple[str, np.ndarray, gguf.GGMLQ
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("gpt2")
         w.add_token_list(sorted(pre_tokenizers.ByteLevel.alphabet()))
-    for name, data, qtype in tensors:
-        w.add_tensor(name, data, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+
+    return write_gguf(path, tensors, arch, metadata)
 
 
 @pytest.fixture(scope="module")

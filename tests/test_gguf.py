@@ -22,6 +22,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from conftest import write_gguf
 from kvloop import LLM, SamplingParams
 from kvloop.config import ModelConfig
 from kvloop.loading import gguf as kv_gguf
@@ -34,19 +35,6 @@ _DUMMY_CONFIG = ModelConfig(
     num_heads=1, num_kv_heads=1, head_dim=8, max_position_embeddings=64,
 )
 SMALL_KV = "16MiB"  # tiny models: a small KV cache keeps LLM() cheap
-
-
-def write_gguf(path: Path, tensors: list[tuple[str, np.ndarray, QT | None]],
-               arch: str = "llama") -> Path:
-    """Write a GGUF file holding `tensors` (raw uint8 bytes when a quant type is given)."""
-    w = gguf.GGUFWriter(str(path), arch)
-    for name, data, qtype in tensors:
-        w.add_tensor(name, data, raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def load_tensors(path: Path) -> dict[str, torch.Tensor]:
