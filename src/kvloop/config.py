@@ -6,7 +6,7 @@ GGUF metadata or ``config.json``; the model reads it and nothing else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -72,11 +72,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # defaults to the model's context
     num_threads: int | None = None
-    dtype: str = "float32"
     # Reorder linear weights for oneDNN (faster); False keeps F.linear, the reference path.
     pack_weights: bool = True
     # Native C++ kernels (paged attention), built at first use; False: PyTorch only.
     use_kernels: bool = True
     # Weight-only quantization of the linear layers: "none" (fp32), "int8" or "int4".
     quantization: str = "none"
-    extra: dict = field(default_factory=dict)

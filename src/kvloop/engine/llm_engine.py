@@ -11,7 +11,6 @@ the engine appends tokens, detokenizes, checks stop conditions and frees what fi
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,8 +33,6 @@ from kvloop.request import Request, RequestStatus
 from kvloop.runner import ModelRunner, SampledToken, kv_cache_bytes_per_block
 from kvloop.sampling.beam import BeamSearch
 from kvloop.scheduler import Scheduler, SchedulerConfig, SchedulerStats
-
-logger = logging.getLogger("kvloop")
 
 
 @dataclass
