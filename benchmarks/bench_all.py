@@ -13,9 +13,9 @@ Figures, per engine:
   ignored), timed from the first generated token to the last; median of --runs.
 - prefill tok/s: a 512-token prompt into an empty KV cache, prompt tokens / time to the first
   token; a new prompt each run (no prefix cache can help); median of --runs.
-- generated tok/s at K concurrent requests: K prompts of 64..512 tokens (evenly spread), 128 new
-  tokens each, all generated tokens / wall time from submission to the last token (prefill
-  included); one run per K.
+- generated tok/s at K concurrent requests: K prompts of 64 tokens (--concurrent-prompt; 0:
+  64..512 tokens, evenly spread), 128 new tokens each, all generated tokens / wall time from
+  submission to the last token (prefill included); one run per K.
 - decode weight bandwidth: weight bytes one decode step reads x decode tok/s, and that as a
   fraction of the bandwidth measured here (the roofline of batch-1 decode).
 - peak memory: the worker's peak resident set (VmHWM): interpreter, libraries, weights, KV cache,
@@ -71,10 +71,13 @@ class Sizes:
     prefill_tokens: int = 512
     new_tokens: int = 128
     concurrency: tuple[int, ...] = (8, 32, 64)
+    # Prompt length of the concurrent requests: 64 as in the anchor table
+    # (llama-batched-bench style); 0 spreads them evenly over 64..512 tokens.
+    concurrent_prompt: int = 64
 
     @classmethod
     def quick(cls, runs: int = 1, concurrency: tuple[int, ...] = (2,)) -> Sizes:
-        return cls(runs, 16, 16, 64, 8, concurrency)
+        return cls(runs, 16, 16, 64, 8, concurrency, 16)
 
 
 @dataclass
@@ -107,12 +110,18 @@ def build_workload(sizes: Sizes, threads: int) -> Workload:
 
     tok = load_checkpoint().tokenizer
     n = sizes.runs + 1
+
+    def concurrent(k: int, salt: int) -> list[list[int]]:
+        if sizes.concurrent_prompt == 0:
+            return workload(tok, k, salt)
+        return [prompt_ids(tok, sizes.concurrent_prompt, salt * 1000 + i) for i in range(k)]
+
     return Workload(
         sizes=sizes, model_path=str(default_model_path()), threads=threads,
         decode=[prompt_ids(tok, sizes.decode_prompt, 100 + i) for i in range(n)],
         prefill=[prompt_ids(tok, sizes.prefill_tokens, 200 + i) for i in range(n)],
-        warmup_concurrent=workload(tok, 2, 99),
-        concurrent={str(k): workload(tok, k, 300 + i) for i, k in enumerate(sizes.concurrency)},
+        warmup_concurrent=concurrent(2, 99),
+        concurrent={str(k): concurrent(k, 300 + i) for i, k in enumerate(sizes.concurrency)},
     )
 
 
@@ -389,8 +398,8 @@ def render(results: dict[str, dict[str, Any]], work: Workload, bandwidth: float,
         f"Batch-1 decode: {s.decode_prompt}-token prompt, {s.decode_tokens} tokens, greedy, "
         f"EOS ignored, timed after the first token; prefill: a fresh {s.prefill_tokens}-token "
         f"prompt per run; median of {s.runs} run{'s' * (s.runs != 1)}. Concurrent: prompts "
-        "of 64-512 tokens, "
-        f"{s.new_tokens} new tokens each, all generated tokens / wall time including prefill, "
+        + (f"of {s.concurrent_prompt} tokens, " if s.concurrent_prompt else "of 64-512 tokens, ")
+        + f"{s.new_tokens} new tokens each, all generated tokens / wall time including prefill, "
         "one run each; transformers runs them as one left-padded static batch, llama.cpp as "
         "one sequence per request (one KV stream each, all prompts prefilled then one token "
         "per sequence per llama_decode), kvloop by continuous batching.",
@@ -426,6 +435,9 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=None, help="runs per median (default 3)")
     ap.add_argument("--concurrency", type=int, nargs="+", default=None,
                     help="concurrent-request counts (default 8 32 64)")
+    ap.add_argument("--concurrent-prompt", type=int, default=64,
+                    help="prompt tokens of each concurrent request (default 64, as "
+                         "llama-batched-bench; 0: spread over 64..512)")
     ap.add_argument("--engines", nargs="+", choices=list(ENGINES), default=list(ENGINES))
     ap.add_argument("--quick", action="store_true",
                     help="tiny sizes for a smoke test (16 decode tokens, 64-token prefill, "
@@ -452,7 +464,8 @@ def main() -> None:
     if args.quick:
         sizes = Sizes.quick(args.runs or 1, conc or (2,))
     else:
-        sizes = Sizes(runs=args.runs or 3, concurrency=conc or (8, 32, 64))
+        sizes = Sizes(runs=args.runs or 3, concurrency=conc or (8, 32, 64),
+                      concurrent_prompt=args.concurrent_prompt)
     t0 = time.time()
     work = build_workload(sizes, torch.get_num_threads())
     bandwidth, flops = measure_bandwidth(), measure_flops()

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from kvloop.kernels import paged_attention as pa
+from kvloop.kernels.linear import F32, Q4, Q8, linear_reference, pack_q4
 
 ATOL = 1e-5
 RTOL = 1e-4
@@ -264,6 +265,24 @@ def test_scalar_fallback_build_matches(kernel: None) -> None:
     out = scalar.paged_attention_varlen(q, case.cache, case.tables, None, case.ctx, 16, 1 / 6)
     ref = pa.paged_decode_attention_reference(q, case.cache, case.tables, case.ctx, 16, 1 / 6)
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
+    # The linear kernels' plain loops, every weight kind, against the same references the
+    # AVX2 build is tested with (tests/test_native.py).
+    g = torch.Generator().manual_seed(3)
+    N, K = 24, 96
+    codes = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
+    s4 = (torch.rand(N, K // 32, generator=g) / 10).half().float()
+    m4 = (torch.randn(N, K // 32, generator=g) / 10).half().float()
+    q8 = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    s8 = torch.rand(N, generator=g) / 100
+    kinds = [(F32, torch.randn(N, K, generator=g), None, False), (Q8, q8, s8, False),
+             (Q8, q8, s8, True), (Q4, pack_q4(codes, s4, m4), None, False)]
+    for kind, w, sc, fa in kinds:
+        lin = scalar.QLinear(kind, w, K, sc, None, fa)
+        for M in (1, 6):
+            x = torch.randn(M, K, generator=g)
+            ref = linear_reference(x, kind, w, K, sc, float_acts=fa)
+            torch.testing.assert_close(lin.forward(x), ref, atol=1e-4 * float(ref.abs().max()),
+                                       rtol=0)
 
 
 @pytest.fixture

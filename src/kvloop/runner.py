@@ -12,8 +12,11 @@ from kvloop import kernels
 from kvloop.batch import SchedulerOutput
 from kvloop.models import AttentionMetadata, LlamaForCausalLM, PrefillSegment
 from kvloop.models.attention import causal_prefix_mask, flat_kv_index
+from kvloop.models.native import build_native_decoder
 from kvloop.params import SamplingParams
 from kvloop.sampling import Sampler, SamplingRow
+
+NATIVE_MAX_ROWS = 64
 
 
 @dataclass
@@ -52,6 +55,11 @@ class ModelRunner:
         # The native paged-attention kernel (built once, cached); the PyTorch gather + SDPA
         # path is the fallback and the reference it is tested against.
         self.use_kernels = use_cache and use_kernels and kernels.available()
+        # The native decode step (all layers in one C++ call) for decode-only steps of up
+        # to native_max_rows sequences; larger batches are compute-bound GEMMs, where the
+        # modules' oneDNN / PyTorch kernels are faster.
+        self.decoder = build_native_decoder(model) if self.use_kernels else None
+        self.native_max_rows = NATIVE_MAX_ROWS
         self._generators: dict[str, torch.Generator] = {}
 
     # -- per-request state ------------------------------------------------------------------
@@ -80,16 +88,12 @@ class ModelRunner:
             self._generators.pop(rid, None)
         self.copy_blocks(sched.blocks_to_copy)
         seqs = sched.decodes + sched.prefills
-        token_ids: list[int] = []
-        positions: list[int] = []
-        for s in seqs:
-            token_ids.extend(s.token_ids)
-            positions.extend(range(s.start_pos, s.context_len))
-        input_ids = torch.tensor(token_ids, dtype=torch.long)  # [T]
-        pos = torch.tensor(positions, dtype=torch.long)  # [T]
-        meta = self._metadata(sched, pos)
-
-        hidden = self.model(input_ids, pos, meta, self.kv_caches)  # [T, hidden]
+        if (self.decoder is not None and not sched.prefills
+                and 0 < len(sched.decodes) <= self.native_max_rows):
+            hidden = self._native_decode(sched)  # [B, hidden]
+            num_tokens = len(sched.decodes)
+        else:
+            hidden, num_tokens = self._forward(sched)  # [T, hidden]
 
         # Logits only where a token is sampled: each sequence's last row, if it samples
         # (n > 1 siblings draw from the same row, each with its own generator).
@@ -107,13 +111,47 @@ class ModelRunner:
                                         self._generator(rid, params), s.suppress_ids))
                 ids_out.append(rid)
         if not rows:
-            return RunnerOutput({}, len(token_ids))
-        logits = self.model.compute_logits(hidden[hidden_rows])  # [N, V]
+            return RunnerOutput({}, num_tokens)
+        sel = hidden[hidden_rows]  # [N, hidden]
+        if self.decoder is not None and len(hidden_rows) <= self.native_max_rows:
+            logits = self.decoder.logits(sel)  # [N, V]
+        else:
+            logits = self.model.compute_logits(sel)
         out = self.sampler(logits, rows)
         ids, lps = out.token_ids.tolist(), out.logprobs.tolist()
         sampled = {rid: SampledToken(ids[i], lps[i], out.top_logprobs[i])
                    for i, rid in enumerate(ids_out)}
-        return RunnerOutput(sampled, len(token_ids))
+        return RunnerOutput(sampled, num_tokens)
+
+    def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, int]:
+        """The PyTorch modules over the step's flattened tokens: [T, hidden] and T."""
+        token_ids: list[int] = []
+        positions: list[int] = []
+        for s in sched.decodes + sched.prefills:
+            token_ids.extend(s.token_ids)
+            positions.extend(range(s.start_pos, s.context_len))
+        input_ids = torch.tensor(token_ids, dtype=torch.long)  # [T]
+        pos = torch.tensor(positions, dtype=torch.long)  # [T]
+        meta = self._metadata(sched, pos)
+        hidden = self.model(input_ids, pos, meta, self.kv_caches)  # [T, hidden]
+        return hidden, len(token_ids)
+
+    def _native_decode(self, sched: SchedulerOutput) -> torch.Tensor:  # [B, hidden]
+        """One token per sequence through the C++ decoder: all layers in one call."""
+        assert self.decoder is not None and self.kv_caches is not None
+        bs = self.block_size
+        max_blocks = max(len(s.block_ids) for s in sched.decodes)
+        ids, pos, slots, ctx, tables = [], [], [], [], []
+        for s in sched.decodes:
+            p = s.start_pos
+            ids.append(s.token_ids[0])
+            pos.append(p)
+            slots.append(s.block_ids[p // bs] * bs + p % bs)
+            ctx.append(s.context_len)
+            tables.append(s.block_ids + [0] * (max_blocks - len(s.block_ids)))
+        return self.decoder.forward(  # type: ignore[no-any-return]
+            torch.tensor(ids), torch.tensor(pos), self.kv_caches, torch.tensor(slots),
+            torch.tensor(tables), torch.tensor(ctx), bs)
 
     def _metadata(self, sched: SchedulerOutput, pos: torch.Tensor) -> AttentionMetadata:
         meta = AttentionMetadata(num_decodes=len(sched.decodes))

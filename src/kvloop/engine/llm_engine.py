@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from kvloop import kernels
 from kvloop.config import EngineConfig, ModelConfig, parse_size
 from kvloop.engine.detokenizer import IncrementalDetokenizer
 from kvloop.engine.output_state import SeqOutputState
@@ -60,15 +61,15 @@ class _Group:
         return self.num_pending_forks == 0 and all(s.request.is_finished for s in self.seqs)
 
 
-def load_model(checkpoint: Checkpoint, pack: bool = True,
-               quantization: str = "none") -> LlamaForCausalLM:
+def load_model(checkpoint: Checkpoint, pack: bool = True, quantization: str = "none",
+               keep_dense: bool = False) -> LlamaForCausalLM:
     model = build_model(checkpoint.config)
     model.load_weights(checkpoint.weights())
     if quantization != "none":
         source = checkpoint.int4_weights() if quantization == "int4" else None
         quantize_model(model, quantization, source)
     if pack:
-        model.pack_weights()  # whatever stayed fp32
+        model.pack_weights(keep_dense)  # whatever stayed fp32
     return model.eval()
 
 
@@ -87,8 +88,10 @@ class LLMEngine:
         if self.config.quantization not in QUANTIZATIONS:
             raise InvalidParamsError(f"quantization must be one of {QUANTIZATIONS}, got "
                                      f"{self.config.quantization!r}")
+        # The native decode step reads fp32 weights densely: keep them beside oneDNN's copy.
+        native = self.config.use_kernels and self.config.use_cache and kernels.available()
         self.model = load_model(self.checkpoint, self.config.pack_weights,
-                                self.config.quantization)
+                                self.config.quantization, keep_dense=native)
         c, ec = self.model_config, self.config
         self.max_model_len = min(ec.max_model_len or c.max_position_embeddings,
                                  c.max_position_embeddings)

@@ -25,7 +25,10 @@ import torch.nn.functional as F
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+# One extension module from all kernel sources (kvloop.h declares what they share).
+_SOURCES = [_CSRC / f for f in
+            ("bindings.cpp", "paged_attention.cpp", "linear.cpp", "decoder.cpp")]
 _lock = threading.Lock()
 _module: Any = None
 _tried = False
@@ -56,8 +59,8 @@ def _build(isa: str, verbose: bool = False) -> Any:
 
     from torch.utils.cpp_extension import load
 
-    name = f"kvloop_paged_attention_{isa}"
-    flags = ["-O3", "-fopenmp"] + (["-mavx2", "-mfma"] if isa == "avx2" else [])
+    name = f"kvloop_kernels_{isa}"
+    flags = ["-O3", "-fopenmp"] + (["-mavx2", "-mfma", "-mf16c"] if isa == "avx2" else [])
     build_dir = _build_dir(name)
     build_dir.mkdir(parents=True, exist_ok=True)
     # load() recompiles only when the source or flags change (it hashes them). Its own
@@ -69,7 +72,8 @@ def _build(isa: str, verbose: bool = False) -> Any:
         (build_dir / "lock").unlink(missing_ok=True)
         return load(
             name=name,
-            sources=[str(_SOURCE)],
+            sources=[str(p) for p in _SOURCES],
+            extra_include_paths=[str(_CSRC)],
             extra_cflags=flags,
             extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch already loaded
             build_directory=str(build_dir),
@@ -102,10 +106,14 @@ def available() -> bool:
     return _module is not None
 
 
-def _ext() -> Any:
+def native_module() -> Any:
+    """The built extension module (raises when ``available()`` is False)."""
     if not available():
-        raise RuntimeError("the paged-attention kernel is not available (see available())")
+        raise RuntimeError("the native kernels are not available (see available())")
     return _module
+
+
+_ext = native_module
 
 
 def paged_attention_varlen(

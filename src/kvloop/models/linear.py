@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvloop.quant.layout import F32
+
 
 def onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(
@@ -28,18 +30,26 @@ class Linear(nn.Module):
                      if bias else None)
         self.packed: torch.Tensor | None = None
 
-    def pack(self) -> None:
-        """Reorder the weight for oneDNN and drop the dense copy (no memory is doubled)."""
+    def pack(self, keep_dense: bool = False) -> None:
+        """Reorder the weight for oneDNN; drop the dense copy unless the native decode
+        kernels (which read it row by row) need it too."""
         if self.packed is not None or not onednn_available():
             return
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
-        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        if not keep_dense:
+            self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def native_spec(self) -> tuple[int, torch.Tensor, int, torch.Tensor | None,
+                                   torch.Tensor | None]:
+        """(kind, weight, in_features, scales, bias) for ``kvloop.kernels.native_linear``."""
+        if self.weight.numel() == 0:
+            raise RuntimeError("the dense weight was dropped by pack()")
+        return F32, self.weight.detach(), self.in_features, None, self.bias
 
     @property
     def weight_bytes(self) -> int:
         """Bytes a forward pass reads for the weight (and bias)."""
-        w = self.packed if self.packed is not None else self.weight
-        n = self.in_features * self.out_features * w.element_size()
+        n = self.in_features * self.out_features * 4
         return n + (self.bias.numel() * self.bias.element_size() if self.bias is not None else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]

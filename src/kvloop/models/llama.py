@@ -136,10 +136,12 @@ class LlamaForCausalLM(nn.Module):
         linears = sum(int(getattr(m, "weight_bytes", 0)) for m in self.modules())
         return linears + norms
 
-    def pack_weights(self) -> None:
-        """Switch every linear layer to the fastest kernel layout (after load_weights)."""
+    def pack_weights(self, keep_dense: bool = False) -> None:
+        """Switch every linear layer to oneDNN's layout (after load_weights). keep_dense:
+        the layers keep their dense weight too, for the native decode kernels; the tied
+        head never does (the native head reads the embedding table)."""
         for lin in self.linears():
-            lin.pack()
+            lin.pack(keep_dense and not (lin is self.lm_head and self.config.tie_word_embeddings))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvloop.quant.layout import Q4, pack_q4
+
 GROUP_SIZE = 32
 
 
@@ -44,8 +46,11 @@ class Int4Weights:
         """Asymmetric min/max quantization per group of 32."""
         N, K = weight.shape
         g = weight.float().view(N, K // GROUP_SIZE, GROUP_SIZE)
-        lo, hi = g.amin(dim=-1), g.amax(dim=-1)
-        scales = ((hi - lo) / 15.0).clamp(min=1e-12)
+        # Scales and mins are rounded to fp16 first (the native kernels store them so, as
+        # GGUF does) and the codes chosen against the rounded values.
+        lo = g.amin(dim=-1).half().float()
+        hi = g.amax(dim=-1)
+        scales = ((hi - lo) / 15.0).clamp(min=2**-14).half().float()
         q = torch.round((g - lo[..., None]) / scales[..., None]).clamp(0, 15)
         # w = lo + s * q = s * (q - 8) + (lo + 8 s)
         return cls(q.view(N, K).to(torch.uint8), scales, lo + 8.0 * scales)
@@ -54,6 +59,7 @@ class Int4Weights:
 class Int4Linear(nn.Module):
     packed: torch.Tensor
     scales_zeros: torch.Tensor
+    native_packed: torch.Tensor
 
     def __init__(self, w: Int4Weights, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -65,11 +71,18 @@ class Int4Linear(nn.Module):
         # [K / 32, N, 2]: (scale, zero) per group and output channel, as the kernel wants.
         sz = torch.stack([w.scales.t(), w.zeros.t()], dim=-1).contiguous()
         self.register_buffer("scales_zeros", sz.to(torch.bfloat16))
+        # The native kernels' layout: GGUF-style groups with fp16 scale and min (w = s q + m).
+        self.register_buffer("native_packed", pack_q4(w.codes, w.scales, w.zeros - 8.0 * w.scales))
         self.bias = bias
 
     @property
     def weight_bytes(self) -> int:
         return self.packed.numel() + self.scales_zeros.numel() * 2
+
+    def native_spec(self) -> tuple[int, torch.Tensor, int, torch.Tensor | None,
+                                   torch.Tensor | None]:
+        """(kind, weight, in_features, scales, bias) for ``kvloop.kernels.native_linear``."""
+        return Q4, self.native_packed, self.in_features, None, self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(

@@ -1,5 +1,8 @@
 """int8 weights with one fp scale per output channel: w = scale[n] * q[n, k].
 
+Decode steps run on kvloop's native kernels (int8 activations, see kvloop.kernels.linear)
+when they are available; this module's forward is the PyTorch path (prefill, fallback).
+
 PyTorch's `_weight_int8pack_mm` runs vectorized on AVX2 only with bf16 activations
 (measured here, all linears of the default model at batch 1: 11.5 ms with bf16, 66 ms
 with fp32), so activations are rounded to bf16 for the matmul and the result returned
@@ -11,9 +14,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvloop.quant.layout import Q8
+
 
 class Int8Linear(nn.Module):
     qweight: torch.Tensor
+    scales_f32: torch.Tensor
     scales: torch.Tensor
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor,
@@ -22,6 +28,8 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("qweight", qweight.contiguous())  # [N, K] int8
         self.register_buffer("scales", scales.to(torch.bfloat16).contiguous())  # [N]
+        # The same (bf16-valued) scales in fp32, as the native kernels take them.
+        self.register_buffer("scales_f32", self.scales.float())
         self.bias = bias
 
     @classmethod
@@ -38,6 +46,11 @@ class Int8Linear(nn.Module):
     @property
     def weight_bytes(self) -> int:
         return self.qweight.numel() + self.scales.numel() * 2
+
+    def native_spec(self) -> tuple[int, torch.Tensor, int, torch.Tensor | None,
+                                   torch.Tensor | None]:
+        """(kind, weight, in_features, scales, bias) for ``kvloop.kernels.native_linear``."""
+        return Q8, self.qweight, self.in_features, self.scales_f32, self.bias
 
     def dequantize(self) -> torch.Tensor:  # [N, K] fp32
         return self.qweight.float() * self.scales.float()[:, None]

@@ -13,13 +13,14 @@
 //
 // Compiled with AVX2/FMA intrinsics when __AVX2__ is defined; otherwise plain loops.
 
+#include "kvloop.h"
+
 // Narrow ATen headers instead of <torch/extension.h>: the first build compiles ~3x faster.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty_like.h>
-#include <torch/csrc/utils/pybind.h>  // pybind11 + the at::Tensor <-> torch.Tensor casters
 
 #include <algorithm>
 #include <cmath>
@@ -32,6 +33,7 @@
 #include <immintrin.h>
 #endif
 
+namespace kvloop {
 namespace {
 
 // Keys per online-softmax step. The scores of a tile sit in a small stack buffer, and
@@ -536,18 +538,4 @@ at::Tensor paged_attention_varlen(const at::Tensor& q, const at::Tensor& kv_cach
   return out;
 }
 
-bool compiled_with_avx2() {
-#ifdef __AVX2__
-  return true;
-#else
-  return false;
-#endif
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // The GIL is released: other Python threads (the server's event loop) keep running.
-  m.def("paged_attention_varlen", &paged_attention_varlen,
-        "Paged attention for decode rows and prefill chunks over a block-table KV cache",
-        py::call_guard<py::gil_scoped_release>());
-  m.def("compiled_with_avx2", &compiled_with_avx2);
-}
+}  // namespace kvloop

@@ -1,0 +1,49 @@
+// Python bindings of the kernel module. Every entry point releases the GIL: other Python
+// threads (the server's event loop) keep running while a kernel computes.
+
+#include "kvloop.h"
+
+#include <torch/csrc/utils/pybind.h>  // pybind11 + the at::Tensor <-> torch.Tensor casters
+
+namespace {
+bool compiled_with_avx2() {
+#ifdef __AVX2__
+  return true;
+#else
+  return false;
+#endif
+}
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using kvloop::Decoder;
+  using kvloop::QLinear;
+  using Release = py::call_guard<py::gil_scoped_release>;
+  m.def("paged_attention_varlen", &kvloop::paged_attention_varlen,
+        "Paged attention for decode rows and prefill chunks over a block-table KV cache",
+        Release());
+  m.def("compiled_with_avx2", &compiled_with_avx2);
+  m.def("quantize_acts", &kvloop::quantize_acts_tensor,
+        "x [M, K] -> (int8 [M, K], scales [M, K/32]): the kernels' activation rounding",
+        Release());
+
+  py::class_<QLinear, std::shared_ptr<QLinear>>(m, "QLinear", py::module_local())
+      .def(py::init<int64_t, at::Tensor, int64_t, std::optional<at::Tensor>,
+                    std::optional<at::Tensor>, bool>(),
+           py::arg("kind"), py::arg("weight"), py::arg("in_features"),
+           py::arg("scales") = py::none(), py::arg("bias") = py::none(),
+           py::arg("float_acts") = false)
+      .def_readonly("float_acts", &QLinear::float_acts)
+      .def("forward", &QLinear::forward, Release())
+      .def_readonly("out_features", &QLinear::out_features)
+      .def_readonly("in_features", &QLinear::in_features)
+      .def_property_readonly("weight_bytes", &QLinear::weight_bytes);
+
+  py::class_<Decoder, std::shared_ptr<Decoder>>(m, "Decoder", py::module_local())
+      .def(py::init<int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor,
+                    at::Tensor, std::shared_ptr<QLinear>>())
+      .def("add_layer", &Decoder::add_layer)
+      .def("forward", &Decoder::forward, Release())
+      .def("logits", &Decoder::logits, Release())
+      .def_property_readonly("num_layers", &Decoder::num_layers);
+}

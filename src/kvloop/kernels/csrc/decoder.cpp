@@ -1,0 +1,205 @@
+// The decode forward pass in one native call (see kvloop.h). Same math, same order of
+// operations as kvloop.models.llama, which is its reference in tests.
+
+#include "kvloop.h"
+
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace kvloop {
+namespace {
+
+// y = x * rsqrt(mean(x^2) + eps) * w, row by row ([M, H]).
+void rms_norm(const float* x, const float* w, int64_t M, int64_t H, float eps, float* y) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * H;
+    float ss = 0.f;
+    for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
+    const float r = 1.f / std::sqrt(ss / static_cast<float>(H) + eps);
+    float* yr = y + m * H;
+    for (int64_t i = 0; i < H; ++i) yr[i] = xr[i] * r * w[i];
+  }
+}
+
+// Rotate-half rotary embedding in place on `heads` vectors of size D (HF layout: element
+// i pairs with i + D/2); cs, sn: the position's [D] cos / sin rows (halves duplicated).
+void rope(float* v, int64_t heads, int64_t D, const float* cs, const float* sn) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* x = v + h * D;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = x[i], b = x[i + half];
+      x[i] = a * cs[i] - b * sn[i];
+      x[i + half] = b * cs[i + half] + a * sn[i + half];
+    }
+  }
+}
+
+// Runs one linear layer, quantizing its input first when its weights want int8 inputs.
+void linear(const QLinear& L, const float* x, int64_t M, QuantizedActs& acts, float* y) {
+  if (L.quantized()) {
+    quantize_acts(x, M, L.in_features, acts);
+    L.run(nullptr, &acts, M, y);
+  } else {
+    L.run(x, nullptr, M, y);
+  }
+}
+
+void check_vec(const at::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == n &&
+                  t.is_contiguous(),
+              what, " must be a contiguous float32 [", n, "] tensor");
+}
+
+}  // namespace
+
+Decoder::Decoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+                 at::Tensor embed, at::Tensor cos, at::Tensor sin, at::Tensor final_norm,
+                 std::shared_ptr<QLinear> lm_head)
+    : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
+      eps_(static_cast<float>(eps)), embed_(embed.contiguous()), cos_(cos.contiguous()),
+      sin_(sin.contiguous()), final_norm_(final_norm.contiguous()),
+      lm_head_(std::move(lm_head)) {
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim % 2 == 0,
+              "bad head configuration");
+  TORCH_CHECK(embed_.scalar_type() == at::kFloat && embed_.dim() == 2,
+              "embed must be float32 [vocab, hidden]");
+  hidden_ = embed_.size(1);
+  TORCH_CHECK(cos_.scalar_type() == at::kFloat && cos_.dim() == 2 &&
+                  cos_.size(1) == head_dim && sin_.sizes() == cos_.sizes(),
+              "cos / sin must be float32 [max_positions, head_dim]");
+  check_vec(final_norm_, hidden_, "final norm weight");
+  TORCH_CHECK(lm_head_->in_features == hidden_, "lm_head in_features != hidden size");
+}
+
+void Decoder::add_layer(at::Tensor attn_norm, std::shared_ptr<QLinear> qkv,
+                        std::shared_ptr<QLinear> o_proj, at::Tensor mlp_norm,
+                        std::shared_ptr<QLinear> gate_up, std::shared_ptr<QLinear> down) {
+  const int64_t H = hidden_, D = head_dim_;
+  check_vec(attn_norm, H, "attention norm weight");
+  check_vec(mlp_norm, H, "mlp norm weight");
+  TORCH_CHECK(qkv->in_features == H && qkv->out_features == (num_heads_ + 2 * num_kv_heads_) * D,
+              "qkv projection has the wrong shape");
+  TORCH_CHECK(o_proj->in_features == num_heads_ * D && o_proj->out_features == H,
+              "o projection has the wrong shape");
+  TORCH_CHECK(gate_up->in_features == H && gate_up->out_features % 2 == 0,
+              "gate/up projection has the wrong shape");
+  TORCH_CHECK(down->in_features == gate_up->out_features / 2 && down->out_features == H,
+              "down projection has the wrong shape");
+  layers_.push_back({attn_norm.contiguous(), mlp_norm.contiguous(), std::move(qkv),
+                     std::move(o_proj), std::move(gate_up), std::move(down)});
+}
+
+at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& positions_,
+                            const std::vector<at::Tensor>& kv_caches,
+                            const at::Tensor& slot_mapping_, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, int64_t block_size) const {
+  const auto ids_t = token_ids_.to(at::kLong).contiguous();
+  const auto pos_t = positions_.to(at::kLong).contiguous();
+  const auto slot_t = slot_mapping_.to(at::kLong).contiguous();
+  const int64_t M = ids_t.numel();
+  TORCH_CHECK(pos_t.numel() == M && slot_t.numel() == M, "one position and slot per token");
+  TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == num_layers(), "one KV cache per layer");
+  const int64_t H = hidden_, D = head_dim_, Hq = num_heads_, Hkv = num_kv_heads_;
+  const int64_t V = embed_.size(0), P = cos_.size(0);
+  const int64_t* ids = ids_t.data_ptr<int64_t>();
+  const int64_t* pos = pos_t.data_ptr<int64_t>();
+  const int64_t* slot = slot_t.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(ids[m] >= 0 && ids[m] < V, "token id ", ids[m], " out of range");
+    TORCH_CHECK(pos[m] >= 0 && pos[m] < P, "position ", pos[m], " beyond the rope table");
+  }
+  // Everything the step will read is checked before anything is written: a bad call
+  // raises with the KV cache untouched.
+  const auto tables_t = block_tables.to(at::kLong).contiguous();
+  const auto ctx_t = context_lens.to(at::kLong).contiguous();
+  TORCH_CHECK(tables_t.dim() == 2 && tables_t.size(0) == M && ctx_t.numel() == M,
+              "one block-table row and one context length per token");
+  const int64_t* ctx = ctx_t.data_ptr<int64_t>();
+  const int64_t* tables = tables_t.data_ptr<int64_t>();
+  const int64_t max_blocks = tables_t.size(1);
+  TORCH_CHECK(block_size > 0, "block_size must be positive");
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(ctx[m] == pos[m] + 1, "row ", m, ": context length ", ctx[m],
+                " != position + 1 (a decode step appends one token)");
+    TORCH_CHECK(ctx[m] <= max_blocks * block_size, "row ", m, ": context exceeds its block table");
+    TORCH_CHECK(tables[m * max_blocks + pos[m] / block_size] * block_size + pos[m] % block_size ==
+                    slot[m],
+                "row ", m, ": slot ", slot[m], " is not the block table's slot for position ",
+                pos[m]);
+  }
+  for (const auto& c : kv_caches) {
+    TORCH_CHECK(c.scalar_type() == at::kFloat && c.dim() == 4 && c.size(0) == 2 &&
+                    c.size(1) == Hkv && c.size(3) == D && c.is_contiguous(),
+                "each KV cache must be a contiguous float32 [2, Hkv, slots, D] tensor");
+    const int64_t blocks_avail = c.size(2) / block_size;
+    for (int64_t m = 0; m < M; ++m) {
+      TORCH_CHECK(slot[m] >= 0 && slot[m] < c.size(2), "slot ", slot[m], " out of range");
+      for (int64_t b = 0; b * block_size < ctx[m]; ++b)
+        TORCH_CHECK(tables[m * max_blocks + b] >= 0 && tables[m * max_blocks + b] < blocks_avail,
+                    "row ", m, ": block id ", tables[m * max_blocks + b], " out of range");
+    }
+  }
+
+  const auto opts = embed_.options();
+  auto x_t = at::empty({M, H}, opts);
+  float* x = x_t.data_ptr<float>();
+  const float* emb = embed_.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) std::memcpy(x + m * H, emb + ids[m] * H, H * sizeof(float));
+
+  const int64_t qkv_n = (Hq + 2 * Hkv) * D;
+  int64_t inter = 0;
+  for (const auto& l : layers_) inter = std::max(inter, l.down->in_features);
+  std::vector<float> h(M * H), qkv(M * qkv_n), delta(M * H), gu(M * 2 * inter), act(M * inter);
+  auto q_t = at::empty({M, Hq, D}, opts);
+  float* q = q_t.data_ptr<float>();
+  QuantizedActs acts;
+  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  const float* cos = cos_.data_ptr<float>();
+  const float* sin = sin_.data_ptr<float>();
+
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    const Layer& L = layers_[li];
+    // Attention block.
+    rms_norm(x, L.attn_norm.data_ptr<float>(), M, H, eps_, h.data());
+    linear(*L.qkv, h.data(), M, acts, qkv.data());
+    float* cache = kv_caches[li].data_ptr<float>();
+    const int64_t slots = kv_caches[li].size(2);
+    for (int64_t m = 0; m < M; ++m) {
+      float* row = qkv.data() + m * qkv_n;  // [q: Hq*D | k: Hkv*D | v: Hkv*D]
+      rope(row, Hq + Hkv, D, cos + pos[m] * D, sin + pos[m] * D);
+      std::memcpy(q + m * Hq * D, row, Hq * D * sizeof(float));
+      for (int64_t kh = 0; kh < Hkv; ++kh) {
+        std::memcpy(cache + (kh * slots + slot[m]) * D, row + (Hq + kh) * D, D * sizeof(float));
+        std::memcpy(cache + ((Hkv + kh) * slots + slot[m]) * D, row + (Hq + Hkv + kh) * D,
+                    D * sizeof(float));
+      }
+    }
+    const at::Tensor o = paged_attention_varlen(q_t, kv_caches[li], tables_t, std::nullopt,
+                                                ctx_t, block_size, scale);  // [M, Hq, D]
+    linear(*L.o_proj, o.data_ptr<float>(), M, acts, delta.data());
+    for (int64_t i = 0; i < M * H; ++i) x[i] += delta[i];
+    // MLP block.
+    rms_norm(x, L.mlp_norm.data_ptr<float>(), M, H, eps_, h.data());
+    const int64_t I = L.down->in_features;
+    linear(*L.gate_up, h.data(), M, acts, gu.data());
+    for (int64_t m = 0; m < M; ++m) {
+      const float* g = gu.data() + m * 2 * I;
+      const float* u = g + I;
+      float* a = act.data() + m * I;
+      for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    }
+    linear(*L.down, act.data(), M, acts, delta.data());
+    for (int64_t i = 0; i < M * H; ++i) x[i] += delta[i];
+  }
+  auto out = at::empty({M, H}, opts);
+  rms_norm(x, final_norm_.data_ptr<float>(), M, H, eps_, out.data_ptr<float>());
+  return out;
+}
+
+at::Tensor Decoder::logits(const at::Tensor& hidden) const { return lm_head_->forward(hidden); }
+
+}  // namespace kvloop

@@ -1,0 +1,102 @@
+// Declarations shared by the kernel sources; one extension module is built from all of them.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <vector>
+
+namespace kvloop {
+
+// ---- paged attention (paged_attention.cpp) ----
+at::Tensor paged_attention_varlen(const at::Tensor& q, const at::Tensor& kv_cache,
+                                  const at::Tensor& block_tables,
+                                  const std::optional<at::Tensor>& query_start,
+                                  const at::Tensor& context_lens, int64_t block_size,
+                                  double scale);
+
+// ---- weight-only quantized / fp32 linear layers (linear.cpp) ----
+
+// Activations quantized per block of 32 along K to int8 (llama.cpp's Q8_1 idea): the
+// integer dot products then run on AVX2's 8-bit multiply-adds, and the per-block sums
+// let 4-bit weights with a zero point be handled without unpacking to floats.
+struct QuantizedActs {
+  int64_t M = 0, K = 0;
+  std::vector<int8_t> q;  // [M, K]
+  std::vector<float> d;   // [M, K / 32]  scale: x ~= d * q
+  std::vector<float> s;   // [M, K / 32]  d * sum(q) of the block
+};
+
+constexpr int64_t kMaxGroups = 2048;  // int4: in_features up to 65536
+
+enum class WeightKind : int64_t { F32 = 0, Q8 = 1, Q4 = 2 };
+
+// y[M, N] = x[M, K] W^T (+ bias), W in one of three layouts:
+//   F32: weight fp32 [N, K].
+//   Q8:  weight int8 [N, K], scales fp32 [N]: w = scale[n] * q (per output channel).
+//   Q4:  weight uint8 [N, K / 32 * 20]: groups of 32 weights along K, each with an fp16
+//        scale and an fp16 min, w = scale * q + min, q in [0, 15]. A row holds all its
+//        scales, then all its mins, then 16 bytes of codes per group (byte j: element j
+//        in the low nibble, element 16 + j in the high one, as in GGUF's Q4_1 blocks).
+// Quantized kinds use int8 activations (quantize_acts) unless float_acts; F32 keeps fp32.
+struct QLinear {
+  WeightKind kind = WeightKind::F32;
+  bool float_acts = false;  // Q8 only: fp32 activations (no int8 rounding), for the head
+  int64_t out_features = 0, in_features = 0;
+  at::Tensor weight, scales;
+  std::optional<at::Tensor> bias;
+
+  QLinear(int64_t kind, at::Tensor weight, int64_t in_features,
+          std::optional<at::Tensor> scales, std::optional<at::Tensor> bias,
+          bool float_acts = false);
+  // Whether the kernel takes int8 activations (quantize_acts) rather than fp32 rows.
+  bool quantized() const { return kind != WeightKind::F32 && !float_acts; }
+  // x: [M, K] fp32 rows (F32), or acts quantized from them (Q8/Q4). y: [M, N] fp32.
+  void run(const float* x, const QuantizedActs* acts, int64_t M, float* y) const;
+  at::Tensor forward(const at::Tensor& x) const;  // [M, K] -> [M, N], for Python and tests
+  int64_t weight_bytes() const;
+};
+
+void quantize_acts(const float* x, int64_t M, int64_t K, QuantizedActs& out);
+// Python-facing: (q int8 [M, K], d fp32 [M, K/32]), the exact rounding the kernels use.
+std::vector<at::Tensor> quantize_acts_tensor(const at::Tensor& x);
+
+// ---- the decode forward pass of a Llama-family model (decoder.cpp) ----
+
+// All layers of one decode step in one call: embedding rows, then per layer RMSNorm,
+// fused QKV, rotary embedding, K/V written into the paged cache, paged attention, output
+// projection, RMSNorm, fused gate/up, SiLU x up, down projection, residuals; final norm.
+// Python dispatch of ~15 small ops per layer costs more than the arithmetic at batch 1,
+// so decode steps run here; prefill stays on the PyTorch modules (compute-bound GEMMs).
+class Decoder {
+ public:
+  Decoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
+          at::Tensor embed, at::Tensor cos, at::Tensor sin, at::Tensor final_norm,
+          std::shared_ptr<QLinear> lm_head);
+  void add_layer(at::Tensor attn_norm, std::shared_ptr<QLinear> qkv,
+                 std::shared_ptr<QLinear> o_proj, at::Tensor mlp_norm,
+                 std::shared_ptr<QLinear> gate_up, std::shared_ptr<QLinear> down);
+  // token_ids, positions, slot_mapping, context_lens: [M] int64; block_tables [M, max_blocks]
+  // int64; one [2, Hkv, slots, D] fp32 cache per layer. Returns final-normed [M, hidden].
+  at::Tensor forward(const at::Tensor& token_ids, const at::Tensor& positions,
+                     const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
+                     const at::Tensor& block_tables, const at::Tensor& context_lens,
+                     int64_t block_size) const;
+  at::Tensor logits(const at::Tensor& hidden) const;  // [N, hidden] -> [N, vocab]
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+ private:
+  struct Layer {
+    at::Tensor attn_norm, mlp_norm;
+    std::shared_ptr<QLinear> qkv, o_proj, gate_up, down;
+  };
+  int64_t num_heads_, num_kv_heads_, head_dim_, hidden_;
+  float eps_;
+  at::Tensor embed_, cos_, sin_, final_norm_;
+  std::shared_ptr<QLinear> lm_head_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace kvloop

@@ -1,0 +1,459 @@
+// Linear layers for decode-sized batches (1..64 rows): y = x W^T with W in fp32, int8
+// (per-channel scale) or 4-bit (groups of 32, scale + min) layout. See kvloop.h.
+//
+// At decode the whole weight is streamed from memory once per step, so these kernels are
+// organised around the weight: a tile of R weight rows is read once and applied to every
+// activation row (C at a time, in registers), the tile then leaves the cache for good.
+// Threads split the output rows. Quantized weights meet int8 activations (one scale per
+// 32 values) in AVX2's u8 x s8 multiply-add (vpmaddubsw), which reads 32 weights per
+// instruction; that and 4-bit storage is what lets a step go faster than fp32 bandwidth.
+//
+// Compiled with AVX2/FMA intrinsics when __AVX2__ is defined; otherwise plain loops
+// compute the same sums (the reference for the vector code is in kvloop.kernels.linear).
+
+#include "kvloop.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include <c10/util/Half.h>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+namespace kvloop {
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr float kMinScale = 1e-30f;  // activation blocks with a smaller scale quantize to 0
+constexpr int kCols = 4;  // activation rows sharing one pass over a weight row
+// Batched fp32 steps (M >= kTileMinRows): tiles of kTileRows weight rows x kTileCols
+// activation rows, 12 accumulators.
+constexpr int64_t kTileMinRows = 4;
+constexpr int kTileRows = 4, kTileCols = 3;
+constexpr int64_t kQ4Block = 20;  // bytes per group: fp16 scale, fp16 min, 16 bytes of codes
+
+#ifdef __AVX2__
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 8 int32 partial sums of w . x over 32 int8 pairs. vpmaddubsw wants u8 x s8: move w's
+// sign onto x (|w| <= 128, |x| <= 127: a pair sums to at most 32512, no saturation).
+inline __m256i dot_s8(__m256i w, __m256i x) {
+  const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+// Same for 4-bit codes in [0, 15] (already unsigned).
+inline __m256i dot_u4(__m256i q, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
+}
+
+// 16 bytes of one group -> its 32 codes in element order.
+inline __m256i unpack_q4(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(raw, mask);
+  const __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+  return _mm256_set_m128i(hi, lo);
+}
+#endif
+
+// ---- one weight row n against activation rows m0..m0+C ----
+//
+// A thread walks its share of the weight rows in order, each row read start to end, so
+// the weights stream through memory sequentially: interleaving several rows (the usual
+// register tiling of a GEMM) was measured to cut this CPU's bandwidth by half at batch 1
+// (33 -> 15 GB/s), the hardware prefetcher losing track of the streams. Reuse comes from
+// the activation side instead: C activation rows share every weight load.
+
+template <int C>
+void row_f32(const float* W, const float* X, int64_t K, int64_t N, int64_t n, int64_t m0,
+             float* Y) {
+  const float* w = W + n * K;
+  float out[C];
+  int64_t k = 0;
+#ifdef __AVX2__
+  // Two accumulators per activation row: one FMA chain alone is latency-bound at C == 1.
+  __m256 acc[C][2];
+  for (int c = 0; c < C; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
+  for (; k + 16 <= K; k += 16) {
+    const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);
+    for (int c = 0; c < C; ++c) {
+      acc[c][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(X + (m0 + c) * K + k), acc[c][0]);
+      acc[c][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(X + (m0 + c) * K + k + 8), acc[c][1]);
+    }
+  }
+  for (int c = 0; c < C; ++c) out[c] = hsum(_mm256_add_ps(acc[c][0], acc[c][1]));
+#else
+  for (int c = 0; c < C; ++c) out[c] = 0.f;
+#endif
+  for (; k < K; ++k)
+    for (int c = 0; c < C; ++c) out[c] += w[k] * X[(m0 + c) * K + k];
+  for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c];
+}
+
+template <int C>
+void row_q8(const int8_t* W, const float* scales, const QuantizedActs& A, int64_t N,
+            int64_t n, int64_t m0, float* Y) {
+  const int64_t K = A.K, nb = K / kGroup;
+  const int8_t* w = W + n * K;
+  float out[C];
+#ifdef __AVX2__
+  __m256 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kGroup));
+    for (int c = 0; c < C; ++c) {
+      const __m256i xv = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(A.q.data() + (m0 + c) * K + b * kGroup));
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(wv, xv)),
+                               _mm256_set1_ps(A.d[(m0 + c) * nb + b]), acc[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) out[c] = hsum(acc[c]);
+#else
+  for (int c = 0; c < C; ++c) {
+    float s = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      int32_t dot = 0;
+      for (int64_t i = 0; i < kGroup; ++i)
+        dot += int32_t(w[b * kGroup + i]) * int32_t(A.q[(m0 + c) * K + b * kGroup + i]);
+      s += float(dot) * A.d[(m0 + c) * nb + b];
+    }
+    out[c] = s;
+  }
+#endif
+  for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c] * scales[n];
+}
+
+// int8 weights against fp32 activations (the output head: int8 activation rounding there
+// would move every logit). Weights widen to fp32 8 at a time; C rows share each widening.
+template <int C>
+void row_q8_f32(const int8_t* W, const float* scales, const float* X, int64_t K, int64_t N,
+                int64_t n, int64_t m0, float* Y) {
+  const int8_t* w = W + n * K;
+  float out[C];
+  int64_t k = 0;
+#ifdef __AVX2__
+  __m256 acc[C][2];
+  for (int c = 0; c < C; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
+  for (; k + 16 <= K; k += 16) {
+    const __m256 w0 = _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k))));
+    const __m256 w1 = _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k + 8))));
+    for (int c = 0; c < C; ++c) {
+      acc[c][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(X + (m0 + c) * K + k), acc[c][0]);
+      acc[c][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(X + (m0 + c) * K + k + 8), acc[c][1]);
+    }
+  }
+  for (int c = 0; c < C; ++c) out[c] = hsum(_mm256_add_ps(acc[c][0], acc[c][1]));
+#else
+  for (int c = 0; c < C; ++c) out[c] = 0.f;
+#endif
+  for (; k < K; ++k)
+    for (int c = 0; c < C; ++c) out[c] += float(w[k]) * X[(m0 + c) * K + k];
+  for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c] * scales[n];
+}
+
+inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+template <int C>
+void row_q4(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, int64_t m0,
+            float* Y) {
+  const int64_t K = A.K, nb = K / kGroup;
+  const uint8_t* w = W + n * nb * kQ4Block;  // [nb fp16 scales][nb fp16 mins][nb x 16 codes]
+  const uint8_t* codes = w + nb * 4;
+  // Per-group factors of this row, hoisted out of the inner loop: scale * activation
+  // scale for each activation row, and the whole zero-point term sum(min * d * sum(q)).
+  float sx[C][kMaxGroups], out[C];
+  for (int c = 0; c < C; ++c) out[c] = 0.f;
+  int64_t b0 = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+  {
+    __m256 zp[C];
+    for (int c = 0; c < C; ++c) zp[c] = _mm256_setzero_ps();
+    for (; b0 + 8 <= nb; b0 += 8) {
+      const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * b0)));
+      const __m256 mw = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * (nb + b0))));
+      for (int c = 0; c < C; ++c) {
+        const int64_t o = (m0 + c) * nb + b0;
+        _mm256_storeu_ps(&sx[c][b0], _mm256_mul_ps(sw, _mm256_loadu_ps(A.d.data() + o)));
+        zp[c] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(A.s.data() + o), zp[c]);
+      }
+    }
+    for (int c = 0; c < C; ++c) out[c] = hsum(zp[c]);
+  }
+#endif
+  for (int64_t b = b0; b < nb; ++b) {
+    uint16_t hs, hm;
+    std::memcpy(&hs, w + 2 * b, 2);
+    std::memcpy(&hm, w + 2 * (nb + b), 2);
+    const float sw = half_to_float(hs), mw = half_to_float(hm);
+    for (int c = 0; c < C; ++c) {
+      sx[c][b] = sw * A.d[(m0 + c) * nb + b];
+      out[c] += mw * A.s[(m0 + c) * nb + b];
+    }
+  }
+#ifdef __AVX2__
+  __m256 acc[C];
+  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i q = unpack_q4(codes + b * (kGroup / 2));
+    for (int c = 0; c < C; ++c) {
+      const __m256i xv = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(A.q.data() + (m0 + c) * K + b * kGroup));
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u4(q, xv)),
+                               _mm256_broadcast_ss(&sx[c][b]), acc[c]);
+    }
+  }
+  for (int c = 0; c < C; ++c) out[c] += hsum(acc[c]);
+#else
+  for (int c = 0; c < C; ++c)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* g = codes + b * (kGroup / 2);
+      const int8_t* x = A.q.data() + (m0 + c) * K + b * kGroup;
+      int32_t dot = 0;
+      for (int64_t j = 0; j < kGroup / 2; ++j)
+        dot += int32_t(g[j] & 0x0F) * x[j] + int32_t(g[j] >> 4) * x[j + kGroup / 2];
+      out[c] += float(dot) * sx[c][b];
+    }
+#endif
+  for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c];
+}
+
+// ---- batched fp32: a tile of R weight rows x C activation rows ----
+//
+// With many activation rows the step is compute-bound and the weights come from cache
+// after the first pass, so the usual register tiling pays for fp32: each activation load
+// is shared by R weight rows and each weight load by C activation rows. (For the int8 and
+// int4 kernels the same tiling measured slower than the row-at-a-time loop: their cost is
+// the per-pair multiply-add chain, not loads.)
+
+template <int R, int C>
+void tile_f32(const float* W, const float* X, int64_t K, int64_t N, int64_t n0, int64_t m0,
+              float* Y) {
+  float out[R][C];
+  int64_t k = 0;
+#ifdef __AVX2__
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (; k + 8 <= K; k += 8) {
+    __m256 xv[C];
+    for (int c = 0; c < C; ++c) xv[c] = _mm256_loadu_ps(X + (m0 + c) * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 wv = _mm256_loadu_ps(W + (n0 + r) * K + k);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(wv, xv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r][c] = hsum(acc[r][c]);
+#else
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r][c] = 0.f;
+#endif
+  for (; k < K; ++k)
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) out[r][c] += W[(n0 + r) * K + k] * X[(m0 + c) * K + k];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n0 + r] = out[r][c];
+}
+
+// fp32 weight rows n0..n0+R against every activation row, C at a time (then one by one).
+template <int R, int C>
+void tile_all_f32(const QLinear& L, const float* x, int64_t M, int64_t n0, float* y) {
+  const int64_t N = L.out_features, K = L.in_features;
+  const float* W = L.weight.data_ptr<float>();
+  int64_t m = 0;
+  for (; m + C <= M; m += C) tile_f32<R, C>(W, x, K, N, n0, m, y);
+  for (; m < M; ++m) tile_f32<R, 1>(W, x, K, N, n0, m, y);
+}
+
+// Weight row n against every activation row: C at a time, then one by one.
+template <int C>
+void row_all(const QLinear& L, const float* x, const QuantizedActs* A, int64_t M, int64_t n,
+             float* y) {
+  const int64_t N = L.out_features, K = L.in_features;
+  int64_t m = 0;
+  switch (L.kind) {
+    case WeightKind::F32: {
+      const float* W = L.weight.data_ptr<float>();
+      for (; m + C <= M; m += C) row_f32<C>(W, x, K, N, n, m, y);
+      for (; m < M; ++m) row_f32<1>(W, x, K, N, n, m, y);
+      break;
+    }
+    case WeightKind::Q8: {
+      const int8_t* W = L.weight.data_ptr<int8_t>();
+      const float* s = L.scales.data_ptr<float>();
+      if (L.float_acts) {
+        for (; m + C <= M; m += C) row_q8_f32<C>(W, s, x, K, N, n, m, y);
+        for (; m < M; ++m) row_q8_f32<1>(W, s, x, K, N, n, m, y);
+      } else {
+        for (; m + C <= M; m += C) row_q8<C>(W, s, *A, N, n, m, y);
+        for (; m < M; ++m) row_q8<1>(W, s, *A, N, n, m, y);
+      }
+      break;
+    }
+    case WeightKind::Q4: {
+      const uint8_t* W = L.weight.data_ptr<uint8_t>();
+      for (; m + C <= M; m += C) row_q4<C>(W, *A, N, n, m, y);
+      for (; m < M; ++m) row_q4<1>(W, *A, N, n, m, y);
+      break;
+    }
+  }
+}
+
+void check_2d(const at::Tensor& t, at::ScalarType dtype, int64_t rows, int64_t cols,
+              const char* what) {
+  TORCH_CHECK(t.scalar_type() == dtype && t.dim() == 2 && t.size(0) == rows &&
+                  t.size(1) == cols && t.is_contiguous(),
+              what, " must be a contiguous ", c10::toString(dtype), " [", rows, ", ", cols,
+              "] tensor, got ", c10::toString(t.scalar_type()), " ", t.sizes());
+}
+
+}  // namespace
+
+QLinear::QLinear(int64_t kind_, at::Tensor weight_, int64_t in_features_,
+                 std::optional<at::Tensor> scales_, std::optional<at::Tensor> bias_,
+                 bool float_acts_)
+    : kind(static_cast<WeightKind>(kind_)), float_acts(float_acts_), weight(std::move(weight_)),
+      bias(std::move(bias_)) {
+  TORCH_CHECK(kind_ >= 0 && kind_ <= 2, "weight kind must be 0 (fp32), 1 (int8) or 2 (int4)");
+  TORCH_CHECK(!float_acts_ || kind_ == 1, "float activations are an int8-weight option");
+  TORCH_CHECK(weight.dim() == 2, "weight must be 2-D");
+  out_features = weight.size(0);
+  in_features = kind == WeightKind::Q4 ? in_features_ : weight.size(1);
+  const int64_t N = out_features, K = in_features;
+  switch (kind) {
+    case WeightKind::F32:
+      TORCH_CHECK(in_features_ == K, "in_features != the weight's columns");
+      check_2d(weight, at::kFloat, N, K, "fp32 weight");
+      break;
+    case WeightKind::Q8:
+      TORCH_CHECK(in_features_ == K, "in_features != the weight's columns");
+      check_2d(weight, at::kChar, N, K, "int8 weight");
+      TORCH_CHECK(K % kGroup == 0, "int8 weights need in_features divisible by 32");
+      TORCH_CHECK(scales_.has_value(), "int8 weights need scales");
+      scales = scales_->contiguous();
+      TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == N,
+                  "int8 scales must be float32 [N]");
+      break;
+    case WeightKind::Q4:
+      TORCH_CHECK(in_features_ % kGroup == 0, "int4 weights need in_features divisible by 32");
+      TORCH_CHECK(in_features_ / kGroup <= kMaxGroups, "int4 in_features too large");
+      check_2d(weight, at::kByte, N, K / kGroup * kQ4Block, "int4 weight");
+      break;
+  }
+  if (bias.has_value()) {
+    *bias = bias->contiguous();
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N,
+                "bias must be float32 [N]");
+  }
+}
+
+int64_t QLinear::weight_bytes() const {
+  int64_t n = weight.numel() * weight.element_size();
+  if (scales.defined()) n += scales.numel() * 4;
+  if (bias.has_value()) n += bias->numel() * 4;
+  return n;
+}
+
+void QLinear::run(const float* x, const QuantizedActs* acts, int64_t M, float* y) const {
+  const int64_t N = out_features;
+  TORCH_CHECK(!quantized() || (acts != nullptr && acts->M == M && acts->K == in_features),
+              "quantized weights need activations quantized for them");
+  // Each thread takes one contiguous share of the output rows (sequential weight reads).
+  const bool tiled = kind == WeightKind::F32 && M >= kTileMinRows;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    int64_t n = n0;
+    if (tiled) {
+      for (; n + kTileRows <= n1; n += kTileRows)
+        tile_all_f32<kTileRows, kTileCols>(*this, x, M, n, y);
+    }
+    for (; n < n1; ++n) row_all<kCols>(*this, x, acts, M, n, y);
+  });
+  if (bias.has_value()) {
+    const float* b = bias->data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) y[m * N + n] += b[n];
+  }
+}
+
+at::Tensor QLinear::forward(const at::Tensor& x_) const {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && x_.dim() == 2 && x_.size(1) == in_features,
+              "x must be float32 [M, ", in_features, "]");
+  const auto x = x_.contiguous();
+  const int64_t M = x.size(0);
+  auto y = at::empty({M, out_features}, x.options());
+  if (M == 0) return y;
+  if (quantized()) {
+    QuantizedActs acts;
+    quantize_acts(x.data_ptr<float>(), M, in_features, acts);
+    run(nullptr, &acts, M, y.data_ptr<float>());
+  } else {
+    run(x.data_ptr<float>(), nullptr, M, y.data_ptr<float>());
+  }
+  return y;
+}
+
+void quantize_acts(const float* x, int64_t M, int64_t K, QuantizedActs& out) {
+  const int64_t nb = K / kGroup;
+  out.M = M;
+  out.K = K;
+  out.q.resize(M * K);
+  out.d.resize(M * nb);
+  out.s.resize(M * nb);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* v = x + m * K + b * kGroup;
+      int8_t* q = out.q.data() + m * K + b * kGroup;
+      float amax = 0.f;
+      for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(v[i]));
+      // A block this close to zero (1/d would overflow) is taken as all zeros.
+      const float d = amax / 127.f >= kMinScale ? amax / 127.f : 0.f;
+      const float id = d != 0.f ? 1.f / d : 0.f;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < kGroup; ++i) {
+        // nearbyint: round half to even, as torch.round in the reference.
+        const int32_t qi = static_cast<int32_t>(std::nearbyint(v[i] * id));
+        q[i] = static_cast<int8_t>(qi);
+        sum += qi;
+      }
+      out.d[m * nb + b] = d;
+      out.s[m * nb + b] = d * static_cast<float>(sum);
+    }
+}
+
+std::vector<at::Tensor> quantize_acts_tensor(const at::Tensor& x_) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && x_.dim() == 2 && x_.size(1) % kGroup == 0,
+              "x must be float32 [M, K] with K divisible by 32");
+  const auto x = x_.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  QuantizedActs acts;
+  quantize_acts(x.data_ptr<float>(), M, K, acts);
+  auto q = at::empty({M, K}, x.options().dtype(at::kChar));
+  auto d = at::empty({M, K / kGroup}, x.options());
+  std::copy(acts.q.begin(), acts.q.end(), q.data_ptr<int8_t>());
+  std::copy(acts.d.begin(), acts.d.end(), d.data_ptr<float>());
+  return {q, d};
+}
+
+}  // namespace kvloop

@@ -1,0 +1,68 @@
+"""Native linear layers for decode-sized batches, their weight layouts, and references.
+
+The kernels (``csrc/linear.cpp``) compute y = x W^T with W as fp32, int8 with one scale
+per output channel, or 4-bit codes in groups of 32 with an fp16 scale and min each.
+Quantized weights take int8 activations, rounded per block of 32 values exactly as
+``quantize_acts_reference`` does; the references below compute the same sums in plain
+PyTorch and are what the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvloop.kernels.paged_attention import _ext
+from kvloop.quant.layout import F32, GROUP, Q4, Q8, pack_q4, unpack_q4
+
+__all__ = ["F32", "Q4", "Q8", "linear_reference", "native_linear", "pack_q4",
+           "quantize_acts", "quantize_acts_reference", "unpack_q4"]
+
+def quantize_acts_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] integer-valued fp32 in [-127, 127], d [M, K/32]): x ~= d * q."""
+    M, K = x.shape
+    g = x.float().view(M, K // GROUP, GROUP)
+    d = g.abs().amax(dim=-1) / 127.0
+    d = torch.where(d >= 1e-30, d, torch.zeros_like(d))  # as the kernel: tiny blocks are 0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    return torch.round(g * inv[..., None]).view(M, K), d
+
+
+def linear_reference(x: torch.Tensor, kind: int, weight: torch.Tensor, in_features: int,
+                     scales: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                     float_acts: bool = False) -> torch.Tensor:
+    """What the kernel computes, in float64 sums: [M, K] -> [M, N]."""
+    if kind == F32:
+        y = x.double() @ weight.double().T
+    elif float_acts:  # int8 weights, activations as they are
+        assert kind == Q8 and scales is not None
+        y = x.double() @ (weight.double() * scales.double()[:, None]).T
+    else:
+        q, d = quantize_acts_reference(x)
+        xd = (q.view(q.shape[0], -1, GROUP) * d[..., None]).view_as(q).double()
+        if kind == Q8:
+            assert scales is not None
+            w = weight.double() * scales.double()[:, None]
+        else:
+            codes, s, m = unpack_q4(weight, in_features)
+            g = codes.double().view(codes.shape[0], -1, GROUP)
+            w = (g * s.double()[..., None] + m.double()[..., None]).view(codes.shape)
+        y = xd @ w.T
+    if bias is not None:
+        y = y + bias.double()
+    return y.float()
+
+
+def native_linear(kind: int, weight: torch.Tensor, in_features: int,
+                  scales: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                  float_acts: bool = False) -> Any:
+    """A kernel-side linear layer (holds references to the tensors, no copies).
+    float_acts (int8 weights only): fp32 activations instead of int8-rounded ones."""
+    return _ext().QLinear(kind, weight, in_features, scales, bias, float_acts)
+
+
+def quantize_acts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's own activation rounding: (int8 [M, K], scales [M, K/32])."""
+    q, d = _ext().quantize_acts(x)
+    return q, d

@@ -1,0 +1,60 @@
+"""The native decode path: a model's weights handed to the C++ decoder (kvloop.kernels).
+
+The decoder runs a whole decode step (every layer, K/V written into the paged cache) in
+one call; it reads the same tensors as the PyTorch modules, nothing is copied. Prefill
+and anything the decoder does not cover stay on the modules, which are its reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, cast
+
+import torch
+
+from kvloop import kernels
+from kvloop.kernels.linear import native_linear
+from kvloop.models.linear import Linear
+from kvloop.models.llama import DecoderLayer, LlamaForCausalLM
+from kvloop.quant.layout import F32, Q8
+
+
+class _NativeLinear(Protocol):
+    def native_spec(self) -> tuple[int, torch.Tensor, int, torch.Tensor | None,
+                                   torch.Tensor | None]: ...
+
+
+def _linear(module: object, float_acts: bool = False) -> Any:
+    kind, weight, in_features, scales, bias = cast(_NativeLinear, module).native_spec()
+    return native_linear(kind, weight, in_features, scales, bias,
+                         float_acts=float_acts and kind == Q8)
+
+
+def build_native_decoder(model: LlamaForCausalLM) -> Any | None:
+    """A ``Decoder`` over the model's weights, or None without the native kernels (or when
+    a fp32 layer's dense weight was dropped by packing)."""
+    if not kernels.available():
+        return None
+    c = model.config
+    head = model.lm_head
+    tied_packed_head = (isinstance(head, Linear) and c.tie_word_embeddings
+                        and head.weight.numel() == 0)
+    if any(m.weight.numel() == 0 for m in model.linears() if m is not head):
+        return None  # packed without keep_dense: the PyTorch path serves every step
+    if isinstance(head, Linear) and head.weight.numel() == 0 and not tied_packed_head:
+        return None
+    # A tied head whose dense copy was dropped reads the embedding table, the same matrix.
+    # The head keeps fp32 activations even over int8 weights: rounding its input to int8
+    # moved the first greedy token of 2 of 8 chat replies (benchmarks/quant_quality.py).
+    lm_head = (native_linear(F32, model.embed_tokens.detach(), c.hidden_size)
+               if tied_packed_head else _linear(head, float_acts=True))
+    dec = kernels.native_module().Decoder(
+        c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
+        model.embed_tokens.detach(), model.rope.cos, model.rope.sin,
+        model.norm.weight.detach(), lm_head)
+    for layer in model.layers:
+        layer = cast(DecoderLayer, layer)
+        attn, mlp = layer.self_attn, layer.mlp
+        dec.add_layer(layer.input_layernorm.weight.detach(), _linear(attn.qkv_proj),
+                      _linear(attn.o_proj), layer.post_attention_layernorm.weight.detach(),
+                      _linear(mlp.gate_up_proj), _linear(mlp.down_proj))
+    return dec
