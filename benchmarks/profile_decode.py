@@ -1,17 +1,26 @@
-"""Where a batch-1 decode step's time goes: torch.profiler over decode steps of the
-default model, ops grouped by what they do, and the Python/dispatch rest.
+"""Where a batch-1 decode step's time goes, on the default model.
 
-    python benchmarks/profile_decode.py [--quantization none|int8|int4] [--write BENCHMARKS.md]
+    python benchmarks/profile_decode.py [--quantization none|int8|int4] [--pytorch]
+                                        [--write BENCHMARKS.md]
+
+Native path (the default, what kvloop runs): wall-clock timers around the pieces of each
+engine step: the C++ decode step (split into its linear layers, timed alone on the same
+weights, and the rest: attention, norms, rope, cache writes), the output head, the
+sampler, and the engine's Python around them. --pytorch: the PyTorch modules instead
+(runner.decoder = None), torch.profiler self times grouped by what the ops do.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -33,13 +42,99 @@ def categorize(name: str) -> str:
     return "other ops (norms, rope, residuals, casts, copies)"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--quantization", default="none")
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--write", type=Path, default=None)
-    args = ap.parse_args()
+class _Timed:
+    """Wraps a callable (or the decoder's two methods) and sums the seconds spent in it."""
+
+    def __init__(self, target: Any) -> None:
+        self.target, self.seconds = target, defaultdict(float)
+
+    def _run(self, name: str, fn: Any, *a: Any) -> Any:
+        t = time.perf_counter()
+        out = fn(*a)
+        self.seconds[name] += time.perf_counter() - t
+        return out
+
+    def __call__(self, *a: Any) -> Any:
+        return self._run("call", self.target, *a)
+
+    def forward(self, *a: Any) -> Any:
+        return self._run("forward", self.target.forward, *a)
+
+    def logits(self, *a: Any) -> Any:
+        return self._run("logits", self.target.logits, *a)
+
+
+def linear_ms(model: Any, runs: int = 20) -> float:
+    """The decode step's linear layers (head excluded) alone, batch 1, median ms."""
+    from kvloop.models.native import _linear
+
+    layers = [_linear(m) for layer in model.layers for m in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+        layer.mlp.down_proj)]
+    xs = {lin.in_features: torch.randn(1, lin.in_features) for lin in layers}
+    times = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        for lin in layers:
+            lin.forward(xs[lin.in_features])
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def native(args: argparse.Namespace) -> str:
     llm = LLM(quantization=args.quantization)
+    runner = llm.engine.runner
+    assert runner.decoder is not None, "native kernels unavailable: use --pytorch"
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    llm.generate([prompt_ids(llm.tokenizer, 128, 0)], params)  # warm-up
+    dec, sampler = _Timed(runner.decoder), _Timed(runner.sampler)
+    runner.decoder, runner.sampler = dec, sampler  # type: ignore[assignment]
+    eng = llm.engine
+    eng.add_request(None, prompt_ids(llm.tokenizer, 128, 1), params)
+    eng.step()  # the prefill, not counted
+    dec.seconds.clear()
+    sampler.seconds.clear()
+    steps = 0
+    t = time.perf_counter()
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+    wall_ms = (time.perf_counter() - t) / steps * 1e3
+    fwd = dec.seconds["forward"] / steps * 1e3
+    head = dec.seconds["logits"] / steps * 1e3
+    samp = sampler.seconds["call"] / steps * 1e3
+    lin = min(linear_ms(eng.model), fwd)
+    rows = [
+        ("linear layers, 30 x (qkv, o, gate/up, down) (C++)", lin),
+        ("attention, norms, rope, SiLU, cache writes (C++, the step minus its linears)",
+         fwd - lin),
+        ("output head (C++)", head),
+        ("sampler (PyTorch)", samp),
+        ("engine, scheduler, detokenizer, Python (wall - the above)",
+         wall_ms - fwd - head - samp),
+    ]
+    mb = eng.model.decode_read_bytes() / 1e6
+    lines = [
+        f"## Where a batch-1 decode step goes ({args.quantization}, native path)",
+        "",
+        f"`python benchmarks/profile_decode.py --quantization {args.quantization}` on "
+        f"{machine_line()}; {steps} engine steps at 128-{128 + steps} tokens of context, "
+        f"wall-clock timers around each piece. {wall_ms:.2f} ms per token "
+        f"({1e3 / wall_ms:.1f} tok/s); {mb:.0f} MB of weights per step, so the linear "
+        f"layers and head together read at {mb / (lin + head):.1f} GB/s.",
+        "",
+        "| part | ms per token | share |",
+        "|---|---:|---:|",
+    ]
+    for name, ms in rows:
+        lines.append(f"| {name} | {ms:.2f} | {ms / wall_ms:.0%} |")
+    lines.append(f"| **engine step, wall** | **{wall_ms:.2f}** | 100% |")
+    return "\n".join(lines)
+
+
+def pytorch(args: argparse.Namespace) -> str:
+    llm = LLM(quantization=args.quantization)
+    llm.engine.runner.decoder = None  # every step through the PyTorch modules
     ids = prompt_ids(llm.tokenizer, 128, 0)
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     llm.generate([ids], params)  # warm-up
@@ -67,9 +162,9 @@ def main() -> None:
     plain_ms = (time.perf_counter() - t) / n * 1e3
     op_total = sum(per_group.values())
     lines = [
-        f"## Where a batch-1 decode step goes ({args.quantization})",
+        f"## Where a batch-1 decode step goes ({args.quantization}, PyTorch modules)",
         "",
-        f"`python benchmarks/profile_decode.py --quantization {args.quantization}` on "
+        f"`python benchmarks/profile_decode.py --quantization {args.quantization} --pytorch` on "
         f"{machine_line()}; {steps} decode steps at 128-190 tokens of context, torch.profiler "
         f"self times per step. Unprofiled: {plain_ms:.1f} ms per token "
         f"({1e3 / plain_ms:.1f} tok/s). The rest is Python and dispatch between ops.",
@@ -84,10 +179,23 @@ def main() -> None:
     rest = wall_ms - op_total / steps * 1e3
     lines.append(f"| Python, dispatch, profiler (wall - ops) | {rest:.2f} | {rest / wall_ms:.0%} |")
     lines.append(f"| **profiled step, wall** | **{wall_ms:.2f}** | 100% |")
-    body = "\n".join(lines)
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quantization", default="none")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--pytorch", action="store_true",
+                    help="profile the PyTorch modules instead of the native decode step")
+    ap.add_argument("--write", type=Path, default=None)
+    args = ap.parse_args()
+    body = pytorch(args) if args.pytorch else native(args)
     print(body)
     if args.write:
-        write_section(args.write, f"profile-decode-{args.quantization}", body)
+        kind = "pytorch" if args.pytorch else "native"
+        write_section(args.write, f"profile-decode-{kind}-{args.quantization}", body)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import require_native_kernels
 from kvloop.kernels import paged_attention as pa
 from kvloop.kernels.linear import F32, Q4, Q8, linear_reference, pack_q4
 
@@ -25,8 +26,7 @@ RTOL = 1e-4
 
 @pytest.fixture(scope="module")
 def kernel() -> None:
-    if not pa.available():
-        pytest.skip("paged-attention kernel could not be built on this machine")
+    require_native_kernels()
 
 
 @dataclass

@@ -25,8 +25,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import write_tiny_model
-from kvloop import LLM, SamplingParams, kernels
+from conftest import require_native_kernels, write_tiny_model
+from kvloop import LLM, SamplingParams
 from kvloop.batch import SchedulerOutput
 from kvloop.engine.outputs import RequestOutput
 from kvloop.kernels.linear import (
@@ -54,8 +54,7 @@ GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=
 @pytest.fixture(scope="module", autouse=True)
 def _native_kernels() -> None:
     # A fixture rather than a skipif mark: collecting the module must not build anything.
-    if not kernels.available():
-        pytest.skip("native kernels could not be built on this machine")
+    require_native_kernels()
 
 
 # -- helpers -------------------------------------------------------------------------------

@@ -46,11 +46,16 @@ class ModelRunner:
         self.num_slots = num_blocks * block_size
         c = model.config
         # One [2, kv_heads, slots, head_dim] tensor per layer; slot = block * block_size + offset.
-        self.kv_caches: list[torch.Tensor] | None = (
-            [torch.zeros(2, c.num_kv_heads, num_blocks * block_size, c.head_dim)
-             for _ in range(c.num_layers)]
-            if use_cache else None
-        )
+        # Left uninitialised: the OS maps pages only as blocks are first written, so the
+        # pool costs resident memory in proportion to use, not to kv_cache_memory. Nothing
+        # reads a slot before it is written, except the PyTorch decode path's padding,
+        # which points at slot 0 (masked out): block 0 is zeroed so that it is finite.
+        self.kv_caches: list[torch.Tensor] | None = None
+        if use_cache:
+            self.kv_caches = [torch.empty(2, c.num_kv_heads, num_blocks * block_size, c.head_dim)
+                              for _ in range(c.num_layers)]
+            for cache in self.kv_caches:
+                cache[:, :, :block_size].zero_()
         self.sampler = Sampler()
         # The native paged-attention kernel (built once, cached); the PyTorch gather + SDPA
         # path is the fallback and the reference it is tested against.

@@ -15,6 +15,7 @@ from kvloop import kernels
 from kvloop.kernels.linear import native_linear
 from kvloop.models.linear import Linear
 from kvloop.models.llama import DecoderLayer, LlamaForCausalLM
+from kvloop.quant import Int4Linear, Int8Linear
 from kvloop.quant.layout import F32, Q8
 
 
@@ -29,9 +30,18 @@ def _linear(module: object, float_acts: bool = False) -> Any:
                          float_acts=float_acts and kind == Q8)
 
 
+def attach_native_linears(model: LlamaForCausalLM) -> None:
+    """Give every quantized layer its native kernel (``module.native``), which its forward
+    then uses for any number of rows, prefill included: one int8-activation numerics for
+    every step, and faster than PyTorch's int8 / int4 kernels here at every batch size."""
+    for module in model.modules():
+        if isinstance(module, Int8Linear | Int4Linear):
+            module.native = _linear(module, float_acts=module is model.lm_head)
+
+
 def build_native_decoder(model: LlamaForCausalLM) -> Any | None:
-    """A ``Decoder`` over the model's weights, or None without the native kernels (or when
-    a fp32 layer's dense weight was dropped by packing)."""
+    """A ``Decoder`` over the model's weights (attaching the quantized layers' kernels), or
+    None without the native kernels or when a fp32 layer's dense weight was dropped."""
     if not kernels.available():
         return None
     c = model.config
@@ -42,11 +52,16 @@ def build_native_decoder(model: LlamaForCausalLM) -> Any | None:
         return None  # packed without keep_dense: the PyTorch path serves every step
     if isinstance(head, Linear) and head.weight.numel() == 0 and not tied_packed_head:
         return None
+    attach_native_linears(model)
+
+    def native(module: object) -> Any:
+        return getattr(module, "native", None) or _linear(module)
+
     # A tied head whose dense copy was dropped reads the embedding table, the same matrix.
-    # The head keeps fp32 activations even over int8 weights: rounding its input to int8
-    # moved the first greedy token of 2 of 8 chat replies (benchmarks/quant_quality.py).
+    # An int8 head keeps fp32 activations: rounding its input to int8 moved the first
+    # greedy token of 2 of 8 chat replies (benchmarks/quant_quality.py).
     lm_head = (native_linear(F32, model.embed_tokens.detach(), c.hidden_size)
-               if tied_packed_head else _linear(head, float_acts=True))
+               if tied_packed_head else native(head))
     dec = kernels.native_module().Decoder(
         c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
         model.embed_tokens.detach(), model.rope.cos, model.rope.sin,
@@ -54,7 +69,7 @@ def build_native_decoder(model: LlamaForCausalLM) -> Any | None:
     for layer in model.layers:
         layer = cast(DecoderLayer, layer)
         attn, mlp = layer.self_attn, layer.mlp
-        dec.add_layer(layer.input_layernorm.weight.detach(), _linear(attn.qkv_proj),
-                      _linear(attn.o_proj), layer.post_attention_layernorm.weight.detach(),
-                      _linear(mlp.gate_up_proj), _linear(mlp.down_proj))
+        dec.add_layer(layer.input_layernorm.weight.detach(), native(attn.qkv_proj),
+                      native(attn.o_proj), layer.post_attention_layernorm.weight.detach(),
+                      native(mlp.gate_up_proj), native(mlp.down_proj))
     return dec

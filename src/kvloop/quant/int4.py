@@ -5,14 +5,16 @@ GGUF's Q4_1 blocks (w = d * q + m over 32 weights) map onto it exactly: scale = 
 zero = m + 8d; Q4_0 blocks (w = d * (q - 8)) with zero = 0. So those files load without
 re-quantization. Other weights are quantized group-wise from fp32 (asymmetric min/max).
 
-`_weight_int4pack_mm_for_cpu` is fast with bf16 activations (all linears of the default
-model at batch 1: 5.2 ms here, near the bandwidth limit of ~85 MB of weights), but a
-scalar loop with fp32 ones (136 ms), so activations go to bf16 for the matmul.
+Decode-sized inputs run on kvloop's native kernel (`native`, GGUF's Q4_1 block layout,
+int8 activations) where it is built. Larger ones run `_weight_int4pack_mm_for_cpu`, fast
+with bf16 activations but a scalar loop with fp32 ones (all linears of the default model
+at batch 1: 5.2 vs 136 ms here), so activations go to bf16 for it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,6 +22,10 @@ from torch import nn
 from kvloop.quant.layout import Q4, pack_q4
 
 GROUP_SIZE = 32
+# Up to this many rows the native 4-bit kernel runs (decode-sized steps); beyond, PyTorch's
+# tinygemm kernel with bf16 activations was faster here (512-token prefill: 587 vs 480
+# tok/s), so prefill keeps it.
+NATIVE_MAX_ROWS = 64
 
 
 @dataclass
@@ -74,6 +80,9 @@ class Int4Linear(nn.Module):
         # The native kernels' layout: GGUF-style groups with fp16 scale and min (w = s q + m).
         self.register_buffer("native_packed", pack_q4(w.codes, w.scales, w.zeros - 8.0 * w.scales))
         self.bias = bias
+        # The native kernel over these weights (kvloop.models.native sets it when the
+        # kernels are built); PyTorch's kernel is the fallback.
+        self.native: Any = None
 
     @property
     def weight_bytes(self) -> int:
@@ -85,6 +94,8 @@ class Int4Linear(nn.Module):
         return Q4, self.native_packed, self.in_features, None, self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        if self.native is not None and x.shape[0] <= NATIVE_MAX_ROWS:
+            return self.native.forward(x)  # type: ignore[no-any-return]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), self.packed, GROUP_SIZE, self.scales_zeros)
         y = y.float()

@@ -1,15 +1,16 @@
 """int8 weights with one fp scale per output channel: w = scale[n] * q[n, k].
 
-Decode steps run on kvloop's native kernels (int8 activations, see kvloop.kernels.linear)
-when they are available; this module's forward is the PyTorch path (prefill, fallback).
-
-PyTorch's `_weight_int8pack_mm` runs vectorized on AVX2 only with bf16 activations
-(measured here, all linears of the default model at batch 1: 11.5 ms with bf16, 66 ms
-with fp32), so activations are rounded to bf16 for the matmul and the result returned
-in fp32.
+Where kvloop's native kernels are built, `native` holds one over these weights and every
+forward uses it (int8 activations per block of 32, see kvloop.kernels.linear; measured
+faster than PyTorch's kernel here at every row count, prefill included). Otherwise
+PyTorch's `_weight_int8pack_mm` runs, vectorized on AVX2 only with bf16 activations
+(all linears of the default model at batch 1: 11.5 ms with bf16, 66 ms with fp32), so
+activations are rounded to bf16 for it and the result returned in fp32.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,6 +32,9 @@ class Int8Linear(nn.Module):
         # The same (bf16-valued) scales in fp32, as the native kernels take them.
         self.register_buffer("scales_f32", self.scales.float())
         self.bias = bias
+        # The native kernel over these weights (kvloop.models.native sets it when the
+        # kernels are built); PyTorch's kernel is the fallback.
+        self.native: Any = None
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
@@ -56,6 +60,8 @@ class Int8Linear(nn.Module):
         return self.qweight.float() * self.scales.float()[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        if self.native is not None:
+            return self.native.forward(x)  # type: ignore[no-any-return]
         y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scales)
         y = y.float()
         return y if self.bias is None else y + self.bias

@@ -4,6 +4,8 @@
 #include "kvloop.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/silu.h>
 
 #include <algorithm>
 #include <cmath>
@@ -153,7 +155,9 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
   const int64_t qkv_n = (Hq + 2 * Hkv) * D;
   int64_t inter = 0;
   for (const auto& l : layers_) inter = std::max(inter, l.down->in_features);
-  std::vector<float> h(M * H), qkv(M * qkv_n), delta(M * H), gu(M * 2 * inter), act(M * inter);
+  std::vector<float> h(M * H), qkv(M * qkv_n), delta(M * H);
+  auto gu_t = at::empty({M * 2 * inter}, embed_.options());
+  auto act_t = at::empty({M * inter}, embed_.options());
   auto q_t = at::empty({M, Hq, D}, opts);
   float* q = q_t.data_ptr<float>();
   QuantizedActs acts;
@@ -185,14 +189,13 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
     // MLP block.
     rms_norm(x, L.mlp_norm.data_ptr<float>(), M, H, eps_, h.data());
     const int64_t I = L.down->in_features;
-    linear(*L.gate_up, h.data(), M, acts, gu.data());
-    for (int64_t m = 0; m < M; ++m) {
-      const float* g = gu.data() + m * 2 * I;
-      const float* u = g + I;
-      float* a = act.data() + m * I;
-      for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
-    }
-    linear(*L.down, act.data(), M, acts, delta.data());
+    const auto gu = gu_t.narrow(0, 0, M * 2 * I).view({M, 2 * I});
+    auto act = act_t.narrow(0, 0, M * I).view({M, I});
+    linear(*L.gate_up, h.data(), M, acts, gu.data_ptr<float>());
+    // SiLU(gate) * up through ATen's vectorised SiLU (the op the PyTorch path uses, so
+    // both paths round alike); a scalar exp here cost ~7 ms a step at 32 rows.
+    at::silu_out(act, gu.narrow(1, 0, I)).mul_(gu.narrow(1, I, I));
+    linear(*L.down, act.data_ptr<float>(), M, acts, delta.data());
     for (int64_t i = 0; i < M * H; ++i) x[i] += delta[i];
   }
   auto out = at::empty({M, H}, opts);

@@ -35,6 +35,7 @@ constexpr int kCols = 4;  // activation rows sharing one pass over a weight row
 // Batched fp32 steps (M >= kTileMinRows): tiles of kTileRows weight rows x kTileCols
 // activation rows, 12 accumulators.
 constexpr int64_t kTileMinRows = 4;
+constexpr int64_t kChunkRows = 64;  // activation rows per pass over the weights
 constexpr int kTileRows = 4, kTileCols = 3;
 constexpr int64_t kQ4Block = 20;  // bytes per group: fp16 scale, fp16 min, 16 bytes of codes
 
@@ -277,45 +278,46 @@ void tile_f32(const float* W, const float* X, int64_t K, int64_t N, int64_t n0, 
     for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n0 + r] = out[r][c];
 }
 
-// fp32 weight rows n0..n0+R against every activation row, C at a time (then one by one).
+// fp32 weight rows n0..n0+R against activation rows m0..m1, C at a time (then one by one).
 template <int R, int C>
-void tile_all_f32(const QLinear& L, const float* x, int64_t M, int64_t n0, float* y) {
+void tile_all_f32(const QLinear& L, const float* x, int64_t m0, int64_t m1, int64_t n0,
+                  float* y) {
   const int64_t N = L.out_features, K = L.in_features;
   const float* W = L.weight.data_ptr<float>();
-  int64_t m = 0;
-  for (; m + C <= M; m += C) tile_f32<R, C>(W, x, K, N, n0, m, y);
-  for (; m < M; ++m) tile_f32<R, 1>(W, x, K, N, n0, m, y);
+  int64_t m = m0;
+  for (; m + C <= m1; m += C) tile_f32<R, C>(W, x, K, N, n0, m, y);
+  for (; m < m1; ++m) tile_f32<R, 1>(W, x, K, N, n0, m, y);
 }
 
-// Weight row n against every activation row: C at a time, then one by one.
+// Weight row n against activation rows m0..m1: C at a time, then one by one.
 template <int C>
-void row_all(const QLinear& L, const float* x, const QuantizedActs* A, int64_t M, int64_t n,
-             float* y) {
+void row_all(const QLinear& L, const float* x, const QuantizedActs* A, int64_t m0, int64_t m1,
+             int64_t n, float* y) {
   const int64_t N = L.out_features, K = L.in_features;
-  int64_t m = 0;
+  int64_t m = m0;
   switch (L.kind) {
     case WeightKind::F32: {
       const float* W = L.weight.data_ptr<float>();
-      for (; m + C <= M; m += C) row_f32<C>(W, x, K, N, n, m, y);
-      for (; m < M; ++m) row_f32<1>(W, x, K, N, n, m, y);
+      for (; m + C <= m1; m += C) row_f32<C>(W, x, K, N, n, m, y);
+      for (; m < m1; ++m) row_f32<1>(W, x, K, N, n, m, y);
       break;
     }
     case WeightKind::Q8: {
       const int8_t* W = L.weight.data_ptr<int8_t>();
       const float* s = L.scales.data_ptr<float>();
       if (L.float_acts) {
-        for (; m + C <= M; m += C) row_q8_f32<C>(W, s, x, K, N, n, m, y);
-        for (; m < M; ++m) row_q8_f32<1>(W, s, x, K, N, n, m, y);
+        for (; m + C <= m1; m += C) row_q8_f32<C>(W, s, x, K, N, n, m, y);
+        for (; m < m1; ++m) row_q8_f32<1>(W, s, x, K, N, n, m, y);
       } else {
-        for (; m + C <= M; m += C) row_q8<C>(W, s, *A, N, n, m, y);
-        for (; m < M; ++m) row_q8<1>(W, s, *A, N, n, m, y);
+        for (; m + C <= m1; m += C) row_q8<C>(W, s, *A, N, n, m, y);
+        for (; m < m1; ++m) row_q8<1>(W, s, *A, N, n, m, y);
       }
       break;
     }
     case WeightKind::Q4: {
       const uint8_t* W = L.weight.data_ptr<uint8_t>();
-      for (; m + C <= M; m += C) row_q4<C>(W, *A, N, n, m, y);
-      for (; m < M; ++m) row_q4<1>(W, *A, N, n, m, y);
+      for (; m + C <= m1; m += C) row_q4<C>(W, *A, N, n, m, y);
+      for (; m < m1; ++m) row_q4<1>(W, *A, N, n, m, y);
       break;
     }
   }
@@ -380,16 +382,21 @@ void QLinear::run(const float* x, const QuantizedActs* acts, int64_t M, float* y
   const int64_t N = out_features;
   TORCH_CHECK(!quantized() || (acts != nullptr && acts->M == M && acts->K == in_features),
               "quantized weights need activations quantized for them");
-  // Each thread takes one contiguous share of the output rows (sequential weight reads).
-  const bool tiled = kind == WeightKind::F32 && M >= kTileMinRows;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    int64_t n = n0;
-    if (tiled) {
-      for (; n + kTileRows <= n1; n += kTileRows)
-        tile_all_f32<kTileRows, kTileCols>(*this, x, M, n, y);
-    }
-    for (; n < n1; ++n) row_all<kCols>(*this, x, acts, M, n, y);
-  });
+  // Activation rows in chunks that stay in L2 while the weights stream past them once
+  // per chunk (prefill-sized M); within a chunk each thread takes one contiguous share of
+  // the output rows (sequential weight reads).
+  for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
+    const int64_t m1 = std::min(M, m0 + kChunkRows);
+    const bool tiled = kind == WeightKind::F32 && m1 - m0 >= kTileMinRows;
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      int64_t n = n0;
+      if (tiled) {
+        for (; n + kTileRows <= n1; n += kTileRows)
+          tile_all_f32<kTileRows, kTileCols>(*this, x, m0, m1, n, y);
+      }
+      for (; n < n1; ++n) row_all<kCols>(*this, x, acts, m0, m1, n, y);
+    });
+  }
   if (bias.has_value()) {
     const float* b = bias->data_ptr<float>();
     for (int64_t m = 0; m < M; ++m)
@@ -414,6 +421,54 @@ at::Tensor QLinear::forward(const at::Tensor& x_) const {
   return y;
 }
 
+namespace {
+// One block of 32: scale d = max|x| / 127 (0 for a block this close to zero), codes
+// round(x / d) half to even, and d * sum(codes).
+void quantize_block(const float* v, int8_t* q, float* d_out, float* s_out) {
+#ifdef __AVX2__
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 x[4];
+  for (int j = 0; j < 4; ++j) x[j] = _mm256_loadu_ps(v + 8 * j);
+  __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x[0]), _mm256_andnot_ps(sign, x[1])),
+                            _mm256_max_ps(_mm256_andnot_ps(sign, x[2]), _mm256_andnot_ps(sign, x[3])));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+#else
+  float amax = 0.f;
+  for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(v[i]));
+#endif
+  const float d = amax / 127.f >= kMinScale ? amax / 127.f : 0.f;
+  const float id = d != 0.f ? 1.f / d : 0.f;
+#ifdef __AVX2__
+  // vcvtps2dq rounds half to even (the default MXCSR mode), as nearbyint and torch.round.
+  const __m256 idv = _mm256_set1_ps(id);
+  __m256i iv[4];
+  for (int j = 0; j < 4; ++j) iv[j] = _mm256_cvtps_epi32(_mm256_mul_ps(x[j], idv));
+  const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum4), _mm256_extracti128_si256(sum4, 1));
+  s4 = _mm_hadd_epi32(s4, s4);
+  s4 = _mm_hadd_epi32(s4, s4);
+  const int32_t sum = _mm_cvtsi128_si32(s4);
+  // Narrow 32 x int32 -> 32 x int8; the packs interleave 128-bit lanes, the permute undoes it.
+  const __m256i p16 = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]),
+                                         _mm256_packs_epi32(iv[2], iv[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(p16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+  int32_t sum = 0;
+  for (int64_t i = 0; i < kGroup; ++i) {
+    const int32_t qi = static_cast<int32_t>(std::nearbyint(v[i] * id));
+    q[i] = static_cast<int8_t>(qi);
+    sum += qi;
+  }
+#endif
+  *d_out = d;
+  *s_out = d * static_cast<float>(sum);
+}
+}  // namespace
+
 void quantize_acts(const float* x, int64_t M, int64_t K, QuantizedActs& out) {
   const int64_t nb = K / kGroup;
   out.M = M;
@@ -421,25 +476,13 @@ void quantize_acts(const float* x, int64_t M, int64_t K, QuantizedActs& out) {
   out.q.resize(M * K);
   out.d.resize(M * nb);
   out.s.resize(M * nb);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* v = x + m * K + b * kGroup;
-      int8_t* q = out.q.data() + m * K + b * kGroup;
-      float amax = 0.f;
-      for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(v[i]));
-      // A block this close to zero (1/d would overflow) is taken as all zeros.
-      const float d = amax / 127.f >= kMinScale ? amax / 127.f : 0.f;
-      const float id = d != 0.f ? 1.f / d : 0.f;
-      int32_t sum = 0;
-      for (int64_t i = 0; i < kGroup; ++i) {
-        // nearbyint: round half to even, as torch.round in the reference.
-        const int32_t qi = static_cast<int32_t>(std::nearbyint(v[i] * id));
-        q[i] = static_cast<int8_t>(qi);
-        sum += qi;
-      }
-      out.d[m * nb + b] = d;
-      out.s[m * nb + b] = d * static_cast<float>(sum);
-    }
+  // Rows in parallel only when there are enough of them to pay for waking the threads.
+  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t b = 0; b < nb; ++b)
+        quantize_block(x + m * K + b * kGroup, out.q.data() + m * K + b * kGroup,
+                       &out.d[m * nb + b], &out.s[m * nb + b]);
+  });
 }
 
 std::vector<at::Tensor> quantize_acts_tensor(const at::Tensor& x_) {
