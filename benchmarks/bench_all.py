@@ -416,8 +416,8 @@ def render(results: dict[str, dict[str, Any]], work: Workload, bandwidth: float,
         p = ", ".join(f"{x:.1f}" for x in r["prefill_runs"])
         line = f"- {ENGINES[n]}: decode runs {d}; prefill runs {p}; load {r['load_s']:.1f} s"
         if "kv_pool_mib" in info:
-            line += (f"; KV pool {info['kv_pool_mib']:.0f} MiB fp32, allocated when the LLM is "
-                     "built")
+            line += (f"; KV pool {info['kv_pool_mib']:.0f} MiB fp32 reserved, resident as "
+                     "blocks are used")
         runs = [(k, x) for k, x in r.get("concurrent_info", {}).items() if x]
         if runs:
             line += "; engine steps / preemptions at " + ", ".join(
