@@ -1,12 +1,13 @@
-// Linear layers for decode-sized batches (1..64 rows): y = x W^T with W in fp32, int8
-// (per-channel scale) or 4-bit (groups of 32, scale + min) layout. See kvloop.h.
+// Linear layers, built for decode-sized batches (1..64 rows) and usable at any size:
+// y = x W^T with W in fp32, int8 (per-channel scale) or 4-bit (groups of 32, scale + min)
+// layout. See kvloop.h.
 //
 // At decode the whole weight is streamed from memory once per step, so these kernels are
-// organised around the weight: a tile of R weight rows is read once and applied to every
-// activation row (C at a time, in registers), the tile then leaves the cache for good.
-// Threads split the output rows. Quantized weights meet int8 activations (one scale per
-// 32 values) in AVX2's u8 x s8 multiply-add (vpmaddubsw), which reads 32 weights per
-// instruction; that and 4-bit storage is what lets a step go faster than fp32 bandwidth.
+// organised around the weight: each weight row is read once per (up to 64-row) chunk of
+// activations and applied to every row of it (C at a time, in registers). Threads split
+// the output rows. Quantized weights meet int8 activations (one scale per 32 values) in
+// AVX2's u8 x s8 multiply-add (vpmaddubsw), 32 weights per instruction; that and 4-bit
+// storage is what lets a step go faster than fp32 bandwidth allows.
 //
 // Compiled with AVX2/FMA intrinsics when __AVX2__ is defined; otherwise plain loops
 // compute the same sums (the reference for the vector code is in kvloop.kernels.linear).
@@ -32,10 +33,10 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr float kMinScale = 1e-30f;  // activation blocks with a smaller scale quantize to 0
 constexpr int kCols = 4;  // activation rows sharing one pass over a weight row
-// Batched fp32 steps (M >= kTileMinRows): tiles of kTileRows weight rows x kTileCols
-// activation rows, 12 accumulators.
-constexpr int64_t kTileMinRows = 4;
 constexpr int64_t kChunkRows = 64;  // activation rows per pass over the weights
+// Batched fp32 (M >= kTileMinRows): tiles of kTileRows weight rows x kTileCols activation
+// rows, 12 accumulators.
+constexpr int64_t kTileMinRows = 4;
 constexpr int kTileRows = 4, kTileCols = 3;
 constexpr int64_t kQ4Block = 20;  // bytes per group: fp16 scale, fp16 min, 16 bytes of codes
 
