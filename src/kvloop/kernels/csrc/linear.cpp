@@ -23,9 +23,7 @@
 
 #include <c10/util/Half.h>
 
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace kvloop {
 namespace {
@@ -41,13 +39,6 @@ constexpr int kTileRows = 4, kTileCols = 3;
 constexpr int64_t kQ4Block = 20;  // bytes per group: fp16 scale, fp16 min, 16 bytes of codes
 
 #ifdef __AVX2__
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // 8 int32 partial sums of w . x over 32 int8 pairs. vpmaddubsw wants u8 x s8: move w's
 // sign onto x (|w| <= 128, |x| <= 127: a pair sums to at most 32512, no saturation).
 inline __m256i dot_s8(__m256i w, __m256i x) {
@@ -78,10 +69,21 @@ inline __m256i unpack_q4(const uint8_t* p) {
 // (33 -> 15 GB/s), the hardware prefetcher losing track of the streams. Reuse comes from
 // the activation side instead: C activation rows share every weight load.
 
-template <int C>
-void row_f32(const float* W, const float* X, int64_t K, int64_t N, int64_t n, int64_t m0,
-             float* Y) {
-  const float* w = W + n * K;
+#ifdef __AVX2__
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const int8_t* p) {  // 8 int8 weights widened to fp32
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+}
+#endif
+
+// fp32 activations against fp32 weights, or against int8 weights widened to fp32 (the
+// output head: int8 activation rounding there would move every logit) with the row's
+// scale applied at the end (scales == nullptr: none).
+template <int C, typename T>
+void row_dense(const T* W, const float* scales, const float* X, int64_t K, int64_t N,
+               int64_t n, int64_t m0, float* Y) {
+  const T* w = W + n * K;
   float out[C];
   int64_t k = 0;
 #ifdef __AVX2__
@@ -89,7 +91,7 @@ void row_f32(const float* W, const float* X, int64_t K, int64_t N, int64_t n, in
   __m256 acc[C][2];
   for (int c = 0; c < C; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
   for (; k + 16 <= K; k += 16) {
-    const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);
+    const __m256 w0 = load8(w + k), w1 = load8(w + k + 8);
     for (int c = 0; c < C; ++c) {
       acc[c][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(X + (m0 + c) * K + k), acc[c][0]);
       acc[c][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(X + (m0 + c) * K + k + 8), acc[c][1]);
@@ -100,8 +102,9 @@ void row_f32(const float* W, const float* X, int64_t K, int64_t N, int64_t n, in
   for (int c = 0; c < C; ++c) out[c] = 0.f;
 #endif
   for (; k < K; ++k)
-    for (int c = 0; c < C; ++c) out[c] += w[k] * X[(m0 + c) * K + k];
-  for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c];
+    for (int c = 0; c < C; ++c) out[c] += static_cast<float>(w[k]) * X[(m0 + c) * K + k];
+  const float s = scales != nullptr ? scales[n] : 1.f;
+  for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = scales != nullptr ? out[c] * s : out[c];
 }
 
 template <int C>
@@ -138,36 +141,6 @@ void row_q8(const int8_t* W, const float* scales, const QuantizedActs& A, int64_
   for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c] * scales[n];
 }
 
-// int8 weights against fp32 activations (the output head: int8 activation rounding there
-// would move every logit). Weights widen to fp32 8 at a time; C rows share each widening.
-template <int C>
-void row_q8_f32(const int8_t* W, const float* scales, const float* X, int64_t K, int64_t N,
-                int64_t n, int64_t m0, float* Y) {
-  const int8_t* w = W + n * K;
-  float out[C];
-  int64_t k = 0;
-#ifdef __AVX2__
-  __m256 acc[C][2];
-  for (int c = 0; c < C; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
-  for (; k + 16 <= K; k += 16) {
-    const __m256 w0 = _mm256_cvtepi32_ps(
-        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k))));
-    const __m256 w1 = _mm256_cvtepi32_ps(
-        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k + 8))));
-    for (int c = 0; c < C; ++c) {
-      acc[c][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(X + (m0 + c) * K + k), acc[c][0]);
-      acc[c][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(X + (m0 + c) * K + k + 8), acc[c][1]);
-    }
-  }
-  for (int c = 0; c < C; ++c) out[c] = hsum(_mm256_add_ps(acc[c][0], acc[c][1]));
-#else
-  for (int c = 0; c < C; ++c) out[c] = 0.f;
-#endif
-  for (; k < K; ++k)
-    for (int c = 0; c < C; ++c) out[c] += float(w[k]) * X[(m0 + c) * K + k];
-  for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c] * scales[n];
-}
-
 inline float half_to_float(uint16_t h) {
 #ifdef __F16C__
   return _cvtsh_ss(h);
@@ -192,7 +165,8 @@ void row_q4(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, int6
     __m256 zp[C];
     for (int c = 0; c < C; ++c) zp[c] = _mm256_setzero_ps();
     for (; b0 + 8 <= nb; b0 += 8) {
-      const __m256 sw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * b0)));
+      const __m256 sw =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * b0)));
       const __m256 mw = _mm256_cvtph_ps(
           _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * (nb + b0))));
       for (int c = 0; c < C; ++c) {
@@ -299,16 +273,16 @@ void row_all(const QLinear& L, const float* x, const QuantizedActs* A, int64_t m
   switch (L.kind) {
     case WeightKind::F32: {
       const float* W = L.weight.data_ptr<float>();
-      for (; m + C <= m1; m += C) row_f32<C>(W, x, K, N, n, m, y);
-      for (; m < m1; ++m) row_f32<1>(W, x, K, N, n, m, y);
+      for (; m + C <= m1; m += C) row_dense<C>(W, nullptr, x, K, N, n, m, y);
+      for (; m < m1; ++m) row_dense<1>(W, nullptr, x, K, N, n, m, y);
       break;
     }
     case WeightKind::Q8: {
       const int8_t* W = L.weight.data_ptr<int8_t>();
       const float* s = L.scales.data_ptr<float>();
       if (L.float_acts) {
-        for (; m + C <= m1; m += C) row_q8_f32<C>(W, s, x, K, N, n, m, y);
-        for (; m < m1; ++m) row_q8_f32<1>(W, s, x, K, N, n, m, y);
+        for (; m + C <= m1; m += C) row_dense<C>(W, s, x, K, N, n, m, y);
+        for (; m < m1; ++m) row_dense<1>(W, s, x, K, N, n, m, y);
       } else {
         for (; m + C <= m1; m += C) row_q8<C>(W, s, *A, N, n, m, y);
         for (; m < m1; ++m) row_q8<1>(W, s, *A, N, n, m, y);
@@ -430,8 +404,9 @@ void quantize_block(const float* v, int8_t* q, float* d_out, float* s_out) {
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 x[4];
   for (int j = 0; j < 4; ++j) x[j] = _mm256_loadu_ps(v + 8 * j);
-  __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, x[0]), _mm256_andnot_ps(sign, x[1])),
-                            _mm256_max_ps(_mm256_andnot_ps(sign, x[2]), _mm256_andnot_ps(sign, x[3])));
+  __m256 ax[4];
+  for (int j = 0; j < 4; ++j) ax[j] = _mm256_andnot_ps(sign, x[j]);  // |x|
+  const __m256 mx = _mm256_max_ps(_mm256_max_ps(ax[0], ax[1]), _mm256_max_ps(ax[2], ax[3]));
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
@@ -447,7 +422,8 @@ void quantize_block(const float* v, int8_t* q, float* d_out, float* s_out) {
   const __m256 idv = _mm256_set1_ps(id);
   __m256i iv[4];
   for (int j = 0; j < 4; ++j) iv[j] = _mm256_cvtps_epi32(_mm256_mul_ps(x[j], idv));
-  const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
+  const __m256i sum4 =
+      _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
   __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum4), _mm256_extracti128_si256(sum4, 1));
   s4 = _mm_hadd_epi32(s4, s4);
   s4 = _mm_hadd_epi32(s4, s4);

@@ -29,9 +29,7 @@
 #include <optional>
 #include <vector>
 
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace kvloop {
 namespace {
@@ -60,13 +58,6 @@ constexpr int kPrefetchLocality = 2;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 #ifdef __AVX2__
-
-inline float hsum(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
 
 // exp(x) for x <= 0 (a score minus its running max), Cephes-style: 2^n * poly(r),
 // ~2 ulp. Inputs below -87 (including -inf for masked keys) return exactly 0; NaN stays
