@@ -32,8 +32,8 @@ constexpr int64_t kGroup = 32;
 constexpr float kMinScale = 1e-30f;  // activation blocks with a smaller scale quantize to 0
 constexpr int kCols = 4;  // activation rows sharing one pass over a weight row
 constexpr int64_t kChunkRows = 64;  // activation rows per pass over the weights
-// Batched fp32 (M >= kTileMinRows): tiles of kTileRows weight rows x kTileCols activation
-// rows, 12 accumulators.
+// Batched fp32 activations (M >= kTileMinRows): tiles of kTileRows weight rows x kTileCols
+// activation rows, 12 accumulators.
 constexpr int64_t kTileMinRows = 4;
 constexpr int kTileRows = 4, kTileCols = 3;
 constexpr int64_t kQ4Block = 20;  // bytes per group: fp16 scale, fp16 min, 16 bytes of codes
@@ -215,17 +215,17 @@ void row_q4(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, int6
   for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c];
 }
 
-// ---- batched fp32: a tile of R weight rows x C activation rows ----
+// ---- batched, fp32 activations: a tile of R weight rows x C activation rows ----
 //
 // With many activation rows the step is compute-bound and the weights come from cache
-// after the first pass, so the usual register tiling pays for fp32: each activation load
-// is shared by R weight rows and each weight load by C activation rows. (For the int8 and
-// int4 kernels the same tiling measured slower than the row-at-a-time loop: their cost is
-// the per-pair multiply-add chain, not loads.)
+// after the first pass, so the usual register tiling pays: each activation load is shared
+// by R weight rows and each weight load (fp32, or int8 widened: the head) by C activation
+// rows. (For the int8-activation kernels the same tiling measured slower than the
+// row-at-a-time loop: their cost is the per-pair multiply-add chain, not loads.)
 
-template <int R, int C>
-void tile_f32(const float* W, const float* X, int64_t K, int64_t N, int64_t n0, int64_t m0,
-              float* Y) {
+template <int R, int C, typename T>
+void tile_dense(const T* W, const float* scales, const float* X, int64_t K, int64_t N,
+                int64_t n0, int64_t m0, float* Y) {
   float out[R][C];
   int64_t k = 0;
 #ifdef __AVX2__
@@ -236,7 +236,7 @@ void tile_f32(const float* W, const float* X, int64_t K, int64_t N, int64_t n0, 
     __m256 xv[C];
     for (int c = 0; c < C; ++c) xv[c] = _mm256_loadu_ps(X + (m0 + c) * K + k);
     for (int r = 0; r < R; ++r) {
-      const __m256 wv = _mm256_loadu_ps(W + (n0 + r) * K + k);
+      const __m256 wv = load8(W + (n0 + r) * K + k);
       for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(wv, xv[c], acc[r][c]);
     }
   }
@@ -248,20 +248,31 @@ void tile_f32(const float* W, const float* X, int64_t K, int64_t N, int64_t n0, 
 #endif
   for (; k < K; ++k)
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < C; ++c) out[r][c] += W[(n0 + r) * K + k] * X[(m0 + c) * K + k];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n0 + r] = out[r][c];
+      for (int c = 0; c < C; ++c)
+        out[r][c] += static_cast<float>(W[(n0 + r) * K + k]) * X[(m0 + c) * K + k];
+  for (int r = 0; r < R; ++r) {
+    const float sc = scales != nullptr ? scales[n0 + r] : 1.f;
+    for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n0 + r] = out[r][c] * sc;
+  }
 }
 
-// fp32 weight rows n0..n0+R against activation rows m0..m1, C at a time (then one by one).
+// Weight rows n0..n0+R (fp32, or int8 with fp32 activations) against activation rows
+// m0..m1, C at a time (then one by one).
 template <int R, int C>
-void tile_all_f32(const QLinear& L, const float* x, int64_t m0, int64_t m1, int64_t n0,
-                  float* y) {
+void tile_all_dense(const QLinear& L, const float* x, int64_t m0, int64_t m1, int64_t n0,
+                    float* y) {
   const int64_t N = L.out_features, K = L.in_features;
-  const float* W = L.weight.data_ptr<float>();
   int64_t m = m0;
-  for (; m + C <= m1; m += C) tile_f32<R, C>(W, x, K, N, n0, m, y);
-  for (; m < m1; ++m) tile_f32<R, 1>(W, x, K, N, n0, m, y);
+  if (L.kind == WeightKind::F32) {
+    const float* W = L.weight.data_ptr<float>();
+    for (; m + C <= m1; m += C) tile_dense<R, C>(W, nullptr, x, K, N, n0, m, y);
+    for (; m < m1; ++m) tile_dense<R, 1>(W, nullptr, x, K, N, n0, m, y);
+  } else {
+    const int8_t* W = L.weight.data_ptr<int8_t>();
+    const float* s = L.scales.data_ptr<float>();
+    for (; m + C <= m1; m += C) tile_dense<R, C>(W, s, x, K, N, n0, m, y);
+    for (; m < m1; ++m) tile_dense<R, 1>(W, s, x, K, N, n0, m, y);
+  }
 }
 
 // Weight row n against activation rows m0..m1: C at a time, then one by one.
@@ -362,12 +373,12 @@ void QLinear::run(const float* x, const QuantizedActs* acts, int64_t M, float* y
   // the output rows (sequential weight reads).
   for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
     const int64_t m1 = std::min(M, m0 + kChunkRows);
-    const bool tiled = kind == WeightKind::F32 && m1 - m0 >= kTileMinRows;
+    const bool tiled = !quantized() && m1 - m0 >= kTileMinRows;
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       int64_t n = n0;
       if (tiled) {
         for (; n + kTileRows <= n1; n += kTileRows)
-          tile_all_f32<kTileRows, kTileCols>(*this, x, m0, m1, n, y);
+          tile_all_dense<kTileRows, kTileCols>(*this, x, m0, m1, n, y);
       }
       for (; n < n1; ++n) row_all<kCols>(*this, x, acts, m0, m1, n, y);
     });
