@@ -91,6 +91,7 @@ void Decoder::add_layer(at::Tensor attn_norm, std::shared_ptr<QLinear> qkv,
               "gate/up projection has the wrong shape");
   TORCH_CHECK(down->in_features == gate_up->out_features / 2 && down->out_features == H,
               "down projection has the wrong shape");
+  max_inter_ = std::max(max_inter_, down->in_features);
   layers_.push_back({attn_norm.contiguous(), mlp_norm.contiguous(), std::move(qkv),
                      std::move(o_proj), std::move(gate_up), std::move(down)});
 }
@@ -133,17 +134,20 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
                 "row ", m, ": slot ", slot[m], " is not the block table's slot for position ",
                 pos[m]);
   }
-  for (const auto& c : kv_caches) {
+  // All layers' caches have one shape, so the slots and block ids are checked once.
+  for (const auto& c : kv_caches)
     TORCH_CHECK(c.scalar_type() == at::kFloat && c.dim() == 4 && c.size(0) == 2 &&
-                    c.size(1) == Hkv && c.size(3) == D && c.is_contiguous(),
-                "each KV cache must be a contiguous float32 [2, Hkv, slots, D] tensor");
-    const int64_t blocks_avail = c.size(2) / block_size;
-    for (int64_t m = 0; m < M; ++m) {
-      TORCH_CHECK(slot[m] >= 0 && slot[m] < c.size(2), "slot ", slot[m], " out of range");
-      for (int64_t b = 0; b * block_size < ctx[m]; ++b)
-        TORCH_CHECK(tables[m * max_blocks + b] >= 0 && tables[m * max_blocks + b] < blocks_avail,
-                    "row ", m, ": block id ", tables[m * max_blocks + b], " out of range");
-    }
+                    c.size(1) == Hkv && c.size(3) == D && c.is_contiguous() &&
+                    c.sizes() == kv_caches.front().sizes(),
+                "each KV cache must be a contiguous float32 [2, Hkv, slots, D] tensor, all "
+                "of one shape");
+  const int64_t num_slots = kv_caches.empty() ? 0 : kv_caches.front().size(2);
+  const int64_t blocks_avail = num_slots / block_size;
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(slot[m] >= 0 && slot[m] < num_slots, "slot ", slot[m], " out of range");
+    for (int64_t b = 0; b * block_size < ctx[m]; ++b)
+      TORCH_CHECK(tables[m * max_blocks + b] >= 0 && tables[m * max_blocks + b] < blocks_avail,
+                  "row ", m, ": block id ", tables[m * max_blocks + b], " out of range");
   }
 
   const auto opts = embed_.options();
@@ -153,11 +157,9 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
   for (int64_t m = 0; m < M; ++m) std::memcpy(x + m * H, emb + ids[m] * H, H * sizeof(float));
 
   const int64_t qkv_n = (Hq + 2 * Hkv) * D;
-  int64_t inter = 0;
-  for (const auto& l : layers_) inter = std::max(inter, l.down->in_features);
   std::vector<float> h(M * H), qkv(M * qkv_n), delta(M * H);
-  auto gu_t = at::empty({M * 2 * inter}, embed_.options());
-  auto act_t = at::empty({M * inter}, embed_.options());
+  auto gu_t = at::empty({M * 2 * max_inter_}, opts);
+  auto act_t = at::empty({M * max_inter_}, opts);
   auto q_t = at::empty({M, Hq, D}, opts);
   float* q = q_t.data_ptr<float>();
   QuantizedActs acts;
@@ -171,14 +173,14 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
     rms_norm(x, L.attn_norm.data_ptr<float>(), M, H, eps_, h.data());
     linear(*L.qkv, h.data(), M, acts, qkv.data());
     float* cache = kv_caches[li].data_ptr<float>();
-    const int64_t slots = kv_caches[li].size(2);
     for (int64_t m = 0; m < M; ++m) {
       float* row = qkv.data() + m * qkv_n;  // [q: Hq*D | k: Hkv*D | v: Hkv*D]
       rope(row, Hq + Hkv, D, cos + pos[m] * D, sin + pos[m] * D);
       std::memcpy(q + m * Hq * D, row, Hq * D * sizeof(float));
       for (int64_t kh = 0; kh < Hkv; ++kh) {
-        std::memcpy(cache + (kh * slots + slot[m]) * D, row + (Hq + kh) * D, D * sizeof(float));
-        std::memcpy(cache + ((Hkv + kh) * slots + slot[m]) * D, row + (Hq + Hkv + kh) * D,
+        std::memcpy(cache + (kh * num_slots + slot[m]) * D, row + (Hq + kh) * D,
+                    D * sizeof(float));
+        std::memcpy(cache + ((Hkv + kh) * num_slots + slot[m]) * D, row + (Hq + Hkv + kh) * D,
                     D * sizeof(float));
       }
     }

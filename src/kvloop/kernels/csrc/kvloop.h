@@ -93,6 +93,7 @@ class Decoder {
     std::shared_ptr<QLinear> qkv, o_proj, gate_up, down;
   };
   int64_t num_heads_, num_kv_heads_, head_dim_, hidden_;
+  int64_t max_inter_ = 0;  // widest MLP of any layer: sizes the per-step gate/up buffers
   float eps_;
   at::Tensor embed_, cos_, sin_, final_norm_;
   std::shared_ptr<QLinear> lm_head_;
