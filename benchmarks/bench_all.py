@@ -484,11 +484,9 @@ def main() -> None:
     command = shlex.join(["python", os.path.relpath(Path(__file__).resolve(), HERE.parent),
                           *sys.argv[1:]])
     body = render(results, work, bandwidth, flops, command, time.time() - t0, llamacpp_version)
-    print(body)
-    if args.write:
-        from common import write_section
+    from common import publish
 
-        write_section(args.write, "bench-all", body)
+    publish(body, args.write, "bench-all")
 
 
 if __name__ == "__main__":

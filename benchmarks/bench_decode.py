@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_line, median_of, prompt_ids, timed, write_section
+from common import machine_line, median_of, prompt_ids, publish, timed
 from kvloop import LLM, SamplingParams
 from kvloop.loading.loader import DEFAULT_MODEL_FILE, default_model_path
 
@@ -133,10 +133,7 @@ def main() -> None:
     ]
     for name, ours, theirs in rows:
         lines.append(f"| {name} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x |")
-    body = "\n".join(lines)
-    print(body)
-    if args.write:
-        write_section(args.write, "bench-decode", body)
+    publish("\n".join(lines), args.write, "bench-decode")
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import TEXT, machine_line, write_section
+from common import TEXT, machine_line, publish
 from kvloop.loading.loader import load_checkpoint
 from kvloop.loading.tokenizer import Tokenizer
 
@@ -317,10 +317,7 @@ def main() -> None:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
-    body = report(runs, args, served_name)
-    print(body)
-    if args.write:
-        write_section(args.write, "bench-serving", body)
+    publish(report(runs, args, served_name), args.write, "bench-serving")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_decode import HF
-from common import machine_line, prompt_ids, write_section
+from common import machine_line, prompt_ids, publish
 from kvloop import LLM, SamplingParams
 
 NEW_TOKENS = 128
@@ -78,10 +78,7 @@ def main() -> None:
     for n, ours, theirs, info in rows:
         lines.append(f"| {n} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x | "
                      f"{ours / base:.2f}x | {info['steps']} | {info['preemptions']} |")
-    body = "\n".join(lines)
-    print(body)
-    if args.write:
-        write_section(args.write, "bench-throughput", body)
+    publish("\n".join(lines), args.write, "bench-throughput")
 
 
 if __name__ == "__main__":

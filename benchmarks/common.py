@@ -50,3 +50,11 @@ def write_section(path: Path, name: str, body: str) -> None:
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else (
         text.rstrip() + "\n\n" + block + "\n")
     path.write_text(text)
+
+
+def publish(body: str, path: Path | None, name: str) -> None:
+    """Print a report and, when a BENCHMARKS.md path is given (--write), replace its
+    section `name` there."""
+    print(body)
+    if path is not None:
+        write_section(path, name, body)

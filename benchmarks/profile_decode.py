@@ -24,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_line, prompt_ids, write_section
+from common import machine_line, prompt_ids, publish
 from kvloop import LLM, SamplingParams
 
 GROUPS = {
@@ -191,11 +191,9 @@ def main() -> None:
                     help="profile the PyTorch modules instead of the native decode step")
     ap.add_argument("--write", type=Path, default=None)
     args = ap.parse_args()
-    body = pytorch(args) if args.pytorch else native(args)
-    print(body)
-    if args.write:
-        kind = "pytorch" if args.pytorch else "native"
-        write_section(args.write, f"profile-decode-{kind}-{args.quantization}", body)
+    kind = "pytorch" if args.pytorch else "native"
+    publish(pytorch(args) if args.pytorch else native(args), args.write,
+            f"profile-decode-{kind}-{args.quantization}")
 
 
 if __name__ == "__main__":

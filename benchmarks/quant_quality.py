@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import TEXT, write_section
+from common import TEXT, publish
 from kvloop import LLM, SamplingParams
 from kvloop.models import AttentionMetadata, PrefillSegment
 
@@ -111,10 +111,7 @@ def main() -> None:
                else "0 / 0")
         lines.append(f"| {name} | {r['bytes'] / 1e6:.0f} | {r['ppl']:.3f} | "
                      f"{r['decode_ppl']:.3f} | {err} | {ag} |")
-    body = "\n".join(lines)
-    print(body)
-    if args.write:
-        write_section(args.write, "quant-quality", body)
+    publish("\n".join(lines), args.write, "quant-quality")
 
 
 if __name__ == "__main__":
