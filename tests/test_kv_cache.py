@@ -34,6 +34,17 @@ def admit(kv: KVCacheManager, req: Request) -> list[Block]:
     kv.cache_full_blocks(req)
     return prefix
 
+def admit_and_fork(kv: KVCacheManager, num_tokens: int) -> tuple[Request, Request]:
+    """Parent "p" with tokens 0..num_tokens-1 admitted and computed, and child "c" forked
+    from it at the same point (same prompt, same computed tokens), as the engine forks."""
+    p = make_request("p", list(range(num_tokens)))
+    admit(kv, p)
+    c = make_request("c", list(range(num_tokens)))
+    kv.fork("p", "c")
+    c.num_computed_tokens = p.num_computed_tokens
+    return p, c
+
+
 
 def ref_counts(kv: KVCacheManager) -> list[int]:
     return [b.ref_count for b in kv.pool.blocks]
@@ -417,11 +428,7 @@ def test_first_writer_into_shared_partial_tail_gets_a_copy() -> None:
     """The first sequence to write into a shared partial block is given a copy; the other
     keeps the original and then writes in place."""
     kv = KVCacheManager(8, BS, watermark=0.0)
-    p = make_request("p", list(range(6)))
-    admit(kv, p)
-    c = make_request("c", list(range(6)))
-    kv.fork("p", "c")
-    c.num_computed_tokens = p.num_computed_tokens
+    p, c = admit_and_fork(kv, 6)
     c.output_token_ids.append(100)
     p.output_token_ids.append(200)
 
@@ -460,11 +467,7 @@ def test_parent_writing_first_gets_the_copy() -> None:
 def test_fork_at_block_boundary_needs_no_copy() -> None:
     """When the shared tail is full, the next token goes to a fresh block: no copy."""
     kv = KVCacheManager(8, BS, watermark=0.0)
-    p = make_request("p", list(range(8)))
-    admit(kv, p)
-    c = make_request("c", list(range(8)))
-    kv.fork("p", "c")
-    c.num_computed_tokens = 8
+    _, c = admit_and_fork(kv, 8)
     c.output_token_ids.append(100)
     assert kv.allocate(c, 1)
     assert kv.block_ids("c") == [0, 1, 2]
@@ -476,11 +479,7 @@ def test_fork_at_block_boundary_needs_no_copy() -> None:
 def test_copy_on_write_fails_cleanly_without_a_free_block() -> None:
     """If no block is free for the copy, allocate returns False and records no copy."""
     kv = KVCacheManager(2, BS, watermark=0.0)
-    p = make_request("p", list(range(6)))
-    admit(kv, p)
-    c = make_request("c", list(range(6)))
-    kv.fork("p", "c")
-    c.num_computed_tokens = 6
+    _, c = admit_and_fork(kv, 6)
     c.output_token_ids.append(100)
     assert kv.pool.num_free == 0
     assert not kv.allocate(c, 1)
@@ -492,11 +491,7 @@ def test_copy_on_write_fails_cleanly_without_a_free_block() -> None:
 def test_forked_copy_is_cached_when_it_fills() -> None:
     """The child's copied tail is hashed once full, with the child's own tokens."""
     kv = KVCacheManager(8, BS, watermark=0.0)
-    p = make_request("p", list(range(6)))
-    admit(kv, p)
-    c = make_request("c", list(range(6)))
-    kv.fork("p", "c")
-    c.num_computed_tokens = 6
+    _, c = admit_and_fork(kv, 6)
     c.output_token_ids += [100, 101]
     compute(kv, c, 1)
     compute(kv, c, 1)
