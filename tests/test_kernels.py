@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import require_native_kernels
+from kvloop.kernels import build
 from kvloop.kernels import paged_attention as pa
 from kvloop.kernels.linear import F32, Q4, Q8, linear_reference, pack_q4
 
@@ -256,7 +257,7 @@ def test_bad_inputs_raise_instead_of_crashing(kernel: None) -> None:
 def test_scalar_fallback_build_matches(kernel: None) -> None:
     # The non-AVX2 path is what a CPU without AVX2 runs: build it explicitly here.
     try:
-        scalar = pa._build("scalar")
+        scalar = build._build("scalar")
     except Exception as e:  # pragma: no cover - depends on the toolchain
         pytest.skip(f"scalar build failed: {e}")
     assert not scalar.compiled_with_avx2()
@@ -288,8 +289,8 @@ def test_scalar_fallback_build_matches(kernel: None) -> None:
 @pytest.fixture
 def fresh_loader(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forget the cached build decision for one test; restored afterwards."""
-    monkeypatch.setattr(pa, "_tried", False)
-    monkeypatch.setattr(pa, "_module", None)
+    monkeypatch.setattr(build, "_tried", False)
+    monkeypatch.setattr(build, "_module", None)
 
 
 def test_env_var_disables_kernels(fresh_loader: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -298,7 +299,7 @@ def test_env_var_disables_kernels(fresh_loader: None, monkeypatch: pytest.Monkey
     def no_build(isa: str) -> None:
         raise AssertionError("must not build")
 
-    monkeypatch.setattr(pa, "_build", no_build)
+    monkeypatch.setattr(build, "_build", no_build)
     assert pa.available() is False
     with pytest.raises(RuntimeError, match="not available"):
         pa.paged_decode_attention(
@@ -317,8 +318,8 @@ def test_build_failure_falls_back_with_a_warning(
         calls.append(isa)
         raise RuntimeError("Error building extension: g++ not found")
 
-    monkeypatch.setattr(pa, "_build", broken)
-    with caplog.at_level(logging.WARNING, logger=pa.__name__):
+    monkeypatch.setattr(build, "_build", broken)
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
         assert pa.available() is False
         assert pa.available() is False
     assert len(calls) == 1  # tried once, not on every call

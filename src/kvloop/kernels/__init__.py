@@ -5,6 +5,7 @@ JIT-built on first use; every one has a pure-PyTorch fallback and reference.
 build fails or ``KVLOOP_NO_KERNELS=1``, and the caller keeps its PyTorch path.
 """
 
+from kvloop.kernels.build import available, native_module
 from kvloop.kernels.linear import (
     linear_reference,
     native_linear,
@@ -12,8 +13,6 @@ from kvloop.kernels.linear import (
     quantize_acts_reference,
 )
 from kvloop.kernels.paged_attention import (
-    available,
-    native_module,
     paged_attention_varlen,
     paged_decode_attention,
     paged_decode_attention_reference,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kvloop.kernels.paged_attention import _ext
+from kvloop.kernels.build import native_module as _ext
 from kvloop.quant.layout import F32, GROUP, Q4, Q8, pack_q4, unpack_q4
 
 __all__ = ["F32", "Q4", "Q8", "linear_reference", "native_linear", "pack_q4",
