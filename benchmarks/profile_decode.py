@@ -66,9 +66,9 @@ class _Timed:
 
 def linear_ms(model: Any, runs: int = 20) -> float:
     """The decode step's linear layers (head excluded) alone, batch 1, median ms."""
-    from kvloop.models.native import _linear
+    from kvloop.models.native import native_linear_of
 
-    layers = [_linear(m) for layer in model.layers for m in (
+    layers = [native_linear_of(m) for layer in model.layers for m in (
         layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
         layer.mlp.down_proj)]
     xs = {lin.in_features: torch.randn(1, lin.in_features) for lin in layers}

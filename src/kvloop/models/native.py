@@ -13,7 +13,6 @@ import torch
 
 from kvloop import kernels
 from kvloop.kernels.linear import native_linear
-from kvloop.models.linear import Linear
 from kvloop.models.llama import DecoderLayer, LlamaForCausalLM
 from kvloop.quant import Int4Linear, Int8Linear
 from kvloop.quant.layout import F32, Q8
@@ -24,19 +23,20 @@ class _NativeLinear(Protocol):
                                    torch.Tensor | None]: ...
 
 
-def _linear(module: object, float_acts: bool = False) -> Any:
+def native_linear_of(module: object, float_acts: bool = False) -> Any:
+    """The native kernel over a linear module's weights (fp32, int8 or int4), no copy."""
     kind, weight, in_features, scales, bias = cast(_NativeLinear, module).native_spec()
     return native_linear(kind, weight, in_features, scales, bias,
                          float_acts=float_acts and kind == Q8)
 
 
 def attach_native_linears(model: LlamaForCausalLM) -> None:
-    """Give every quantized layer its native kernel (``module.native``), which its forward
-    then uses for any number of rows, prefill included: one int8-activation numerics for
-    every step, and faster than PyTorch's int8 / int4 kernels here at every batch size."""
+    """Give every quantized layer its native kernel (``module.native``); its forward then
+    uses it wherever it measured faster than PyTorch's kernel (int8: every row count,
+    prefill included; int4: decode-sized inputs)."""
     for module in model.modules():
         if isinstance(module, Int8Linear | Int4Linear):
-            module.native = _linear(module, float_acts=module is model.lm_head)
+            module.native = native_linear_of(module, float_acts=module is model.lm_head)
 
 
 def build_native_decoder(model: LlamaForCausalLM) -> Any | None:
@@ -46,22 +46,21 @@ def build_native_decoder(model: LlamaForCausalLM) -> Any | None:
         return None
     c = model.config
     head = model.lm_head
-    tied_packed_head = (isinstance(head, Linear) and c.tie_word_embeddings
-                        and head.weight.numel() == 0)
-    if any(m.weight.numel() == 0 for m in model.linears() if m is not head):
-        return None  # packed without keep_dense: the PyTorch path serves every step
-    if isinstance(head, Linear) and head.weight.numel() == 0 and not tied_packed_head:
+    # fp32 layers packed without keep_dense have no dense weight left to read; then the
+    # PyTorch path serves every step. Only a tied head may lack it (the embedding is it).
+    dropped = [m for m in model.linears() if m.weight.numel() == 0]
+    if any(m is not head or not c.tie_word_embeddings for m in dropped):
         return None
     attach_native_linears(model)
 
     def native(module: object) -> Any:
-        return getattr(module, "native", None) or _linear(module)
+        return getattr(module, "native", None) or native_linear_of(module)
 
     # A tied head whose dense copy was dropped reads the embedding table, the same matrix.
     # An int8 head keeps fp32 activations: rounding its input to int8 moved the first
     # greedy token of 2 of 8 chat replies (benchmarks/quant_quality.py).
     lm_head = (native_linear(F32, model.embed_tokens.detach(), c.hidden_size)
-               if tied_packed_head else native(head))
+               if head in dropped else native(head))
     dec = kernels.native_module().Decoder(
         c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
         model.embed_tokens.detach(), model.rope.cos, model.rope.sin,
