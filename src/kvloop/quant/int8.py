@@ -20,7 +20,6 @@ from kvloop.quant.layout import Q8
 
 class Int8Linear(nn.Module):
     qweight: torch.Tensor
-    scales_f32: torch.Tensor
     scales: torch.Tensor
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor,
@@ -29,8 +28,6 @@ class Int8Linear(nn.Module):
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("qweight", qweight.contiguous())  # [N, K] int8
         self.register_buffer("scales", scales.to(torch.bfloat16).contiguous())  # [N]
-        # The same (bf16-valued) scales in fp32, as the native kernels take them.
-        self.register_buffer("scales_f32", self.scales.float())
         self.bias = bias
         # The native kernel over these weights (kvloop.models.native sets it when the
         # kernels are built); PyTorch's kernel is the fallback.
@@ -54,7 +51,8 @@ class Int8Linear(nn.Module):
     def native_spec(self) -> tuple[int, torch.Tensor, int, torch.Tensor | None,
                                    torch.Tensor | None]:
         """(kind, weight, in_features, scales, bias) for ``kvloop.kernels.native_linear``."""
-        return Q8, self.qweight, self.in_features, self.scales_f32, self.bias
+        # The (bf16-valued) scales in fp32, as the native kernels take them.
+        return Q8, self.qweight, self.in_features, self.scales.float(), self.bias
 
     def dequantize(self) -> torch.Tensor:  # [N, K] fp32
         return self.qweight.float() * self.scales.float()[:, None]

@@ -40,16 +40,6 @@ void rope(float* v, int64_t heads, int64_t D, const float* cs, const float* sn) 
   }
 }
 
-// Runs one linear layer, quantizing its input first when its weights want int8 inputs.
-void linear(const QLinear& L, const float* x, int64_t M, QuantizedActs& acts, float* y) {
-  if (L.quantized()) {
-    quantize_acts(x, M, L.in_features, acts);
-    L.run(nullptr, &acts, M, y);
-  } else {
-    L.run(x, nullptr, M, y);
-  }
-}
-
 void check_vec(const at::Tensor& t, int64_t n, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == n &&
                   t.is_contiguous(),
@@ -171,7 +161,7 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
     const Layer& L = layers_[li];
     // Attention block.
     rms_norm(x, L.attn_norm.data_ptr<float>(), M, H, eps_, h.data());
-    linear(*L.qkv, h.data(), M, acts, qkv.data());
+    L.qkv->apply(h.data(), M, acts, qkv.data());
     float* cache = kv_caches[li].data_ptr<float>();
     for (int64_t m = 0; m < M; ++m) {
       float* row = qkv.data() + m * qkv_n;  // [q: Hq*D | k: Hkv*D | v: Hkv*D]
@@ -186,18 +176,18 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
     }
     const at::Tensor o = paged_attention_varlen(q_t, kv_caches[li], tables_t, std::nullopt,
                                                 ctx_t, block_size, scale);  // [M, Hq, D]
-    linear(*L.o_proj, o.data_ptr<float>(), M, acts, delta.data());
+    L.o_proj->apply(o.data_ptr<float>(), M, acts, delta.data());
     for (int64_t i = 0; i < M * H; ++i) x[i] += delta[i];
     // MLP block.
     rms_norm(x, L.mlp_norm.data_ptr<float>(), M, H, eps_, h.data());
     const int64_t I = L.down->in_features;
     const auto gu = gu_t.narrow(0, 0, M * 2 * I).view({M, 2 * I});
     auto act = act_t.narrow(0, 0, M * I).view({M, I});
-    linear(*L.gate_up, h.data(), M, acts, gu.data_ptr<float>());
+    L.gate_up->apply(h.data(), M, acts, gu.data_ptr<float>());
     // SiLU(gate) * up through ATen's vectorised SiLU (the op the PyTorch path uses, so
     // both paths round alike); a scalar exp here cost ~7 ms a step at 32 rows.
     at::silu_out(act, gu.narrow(1, 0, I)).mul_(gu.narrow(1, I, I));
-    linear(*L.down, act.data_ptr<float>(), M, acts, delta.data());
+    L.down->apply(act.data_ptr<float>(), M, acts, delta.data());
     for (int64_t i = 0; i < M * H; ++i) x[i] += delta[i];
   }
   auto out = at::empty({M, H}, opts);

@@ -55,6 +55,9 @@ struct QLinear {
   bool quantized() const { return kind != WeightKind::F32 && !float_acts; }
   // x: [M, K] fp32 rows (F32), or acts quantized from them (Q8/Q4). y: [M, N] fp32.
   void run(const float* x, const QuantizedActs* acts, int64_t M, float* y) const;
+  // x [M, K] fp32 rows -> y [M, N], quantizing x into `acts` (scratch the caller may
+  // reuse across layers) first when the kernel takes int8 activations.
+  void apply(const float* x, int64_t M, QuantizedActs& acts, float* y) const;
   at::Tensor forward(const at::Tensor& x) const;  // [M, K] -> [M, N], for Python and tests
   int64_t weight_bytes() const;
 };

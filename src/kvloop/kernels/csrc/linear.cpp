@@ -397,14 +397,18 @@ at::Tensor QLinear::forward(const at::Tensor& x_) const {
   const int64_t M = x.size(0);
   auto y = at::empty({M, out_features}, x.options());
   if (M == 0) return y;
-  if (quantized()) {
-    QuantizedActs acts;
-    quantize_acts(x.data_ptr<float>(), M, in_features, acts);
-    run(nullptr, &acts, M, y.data_ptr<float>());
-  } else {
-    run(x.data_ptr<float>(), nullptr, M, y.data_ptr<float>());
-  }
+  QuantizedActs acts;
+  apply(x.data_ptr<float>(), M, acts, y.data_ptr<float>());
   return y;
+}
+
+void QLinear::apply(const float* x, int64_t M, QuantizedActs& acts, float* y) const {
+  if (quantized()) {
+    quantize_acts(x, M, in_features, acts);
+    run(nullptr, &acts, M, y);
+  } else {
+    run(x, nullptr, M, y);
+  }
 }
 
 namespace {
