@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from kvloop import kernels
-from kvloop.batch import SchedulerOutput
+from kvloop.batch import ScheduledSeq, SchedulerOutput
 from kvloop.models import AttentionMetadata, LlamaForCausalLM, PrefillSegment
 from kvloop.models.attention import causal_prefix_mask, flat_kv_index
 from kvloop.models.native import build_native_decoder
@@ -17,6 +17,14 @@ from kvloop.params import SamplingParams
 from kvloop.sampling import Sampler, SamplingRow
 
 NATIVE_MAX_ROWS = 64
+
+
+def padded_block_tables(seqs: list[ScheduledSeq]) -> torch.Tensor:
+    """[num_seqs, max_blocks] int64, each row padded with block 0: the kernels stop at the
+    context length, the PyTorch path masks what lies beyond it."""
+    max_blocks = max(len(s.block_ids) for s in seqs)
+    return torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in seqs],
+                        dtype=torch.long)
 
 
 @dataclass
@@ -145,18 +153,16 @@ class ModelRunner:
         """One token per sequence through the C++ decoder: all layers in one call."""
         assert self.decoder is not None and self.kv_caches is not None
         bs = self.block_size
-        max_blocks = max(len(s.block_ids) for s in sched.decodes)
-        ids, pos, slots, ctx, tables = [], [], [], [], []
+        ids, pos, slots, ctx = [], [], [], []
         for s in sched.decodes:
             p = s.start_pos
             ids.append(s.token_ids[0])
             pos.append(p)
             slots.append(s.block_ids[p // bs] * bs + p % bs)
             ctx.append(s.context_len)
-            tables.append(s.block_ids + [0] * (max_blocks - len(s.block_ids)))
         return self.decoder.forward(  # type: ignore[no-any-return]
             torch.tensor(ids), torch.tensor(pos), self.kv_caches, torch.tensor(slots),
-            torch.tensor(tables), torch.tensor(ctx), bs)
+            padded_block_tables(sched.decodes), torch.tensor(ctx), bs)
 
     def _metadata(self, sched: SchedulerOutput, pos: torch.Tensor) -> AttentionMetadata:
         meta = AttentionMetadata(num_decodes=len(sched.decodes))
@@ -169,10 +175,7 @@ class ModelRunner:
 
         bs = self.block_size
         seqs = sched.decodes + sched.prefills
-        # Padded block tables: [num_seqs, max_blocks]
-        max_blocks = max(len(s.block_ids) for s in seqs)
-        tables = torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in seqs],
-                              dtype=torch.long)
+        tables = padded_block_tables(seqs)  # [num_seqs, max_blocks]
         seq_of_row = torch.repeat_interleave(
             torch.arange(len(seqs)), torch.tensor([s.num_tokens for s in seqs]))  # [T]
         meta.slot_mapping = tables[seq_of_row, pos // bs] * bs + pos % bs  # [T]
