@@ -254,32 +254,41 @@ def test_bad_inputs_raise_instead_of_crashing(kernel: None) -> None:
         pa.paged_decode_attention(q.double(), case.cache, case.tables, case.ctx, 16, 1.0)
 
 
-def test_scalar_fallback_build_matches(kernel: None) -> None:
-    # The non-AVX2 path is what a CPU without AVX2 runs: build it explicitly here.
+@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+def test_other_isa_builds_match(kernel: None, isa: str) -> None:
+    # The builds this CPU can run besides the one loaded (on an AVX-512 VNNI machine, the
+    # AVX2 build other x86 CPUs get, and the plain loops of the rest): built explicitly
+    # here and held to the same references.
+    if isa not in build.cpu_isas():
+        pytest.skip(f"this CPU cannot run the {isa} build")
+    if isa == build.native_module().compiled_isa():
+        pytest.skip(f"the {isa} build is the loaded one, tested everywhere else")
     try:
-        scalar = build._build("scalar")
+        mod = build._build(isa)
     except Exception as e:  # pragma: no cover - depends on the toolchain
-        pytest.skip(f"scalar build failed: {e}")
-    assert not scalar.compiled_with_avx2()
+        pytest.fail(f"{isa} build failed: {e}")
+    assert mod.compiled_isa() == isa
+    assert mod.compiled_with_avx2() == (isa != "scalar")
     case = make_case([1, 16, 77, 300], 3, 36, 16, seed=2)
     q = torch.randn(4, 9, 36)
-    out = scalar.paged_attention_varlen(q, case.cache, case.tables, None, case.ctx, 16, 1 / 6)
+    out = mod.paged_attention_varlen(q, case.cache, case.tables, None, case.ctx, 16, 1 / 6)
     ref = pa.paged_decode_attention_reference(q, case.cache, case.tables, case.ctx, 16, 1 / 6)
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
-    # The linear kernels' plain loops, every weight kind, against the same references the
-    # AVX2 build is tested with (tests/test_native.py).
+    # The linear kernels, every weight kind, against the same references the loaded build
+    # is tested with (tests/test_native.py): 1, 6 and 37 rows reach the single-row, 4-row
+    # and tiled loops and their remainders.
     g = torch.Generator().manual_seed(3)
     N, K = 24, 96
     codes = torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8)
     s4 = (torch.rand(N, K // 32, generator=g) / 10).half().float()
     m4 = (torch.randn(N, K // 32, generator=g) / 10).half().float()
-    q8 = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    q8 = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
     s8 = torch.rand(N, generator=g) / 100
     kinds = [(F32, torch.randn(N, K, generator=g), None, False), (Q8, q8, s8, False),
              (Q8, q8, s8, True), (Q4, pack_q4(codes, s4, m4), None, False)]
     for kind, w, sc, fa in kinds:
-        lin = scalar.QLinear(kind, w, K, sc, None, fa)
-        for M in (1, 6):
+        lin = mod.QLinear(kind, w, K, sc, None, fa)
+        for M in (1, 6, 37):
             x = torch.randn(M, K, generator=g)
             ref = linear_reference(x, kind, w, K, sc, float_acts=fa)
             torch.testing.assert_close(lin.forward(x), ref, atol=1e-4 * float(ref.abs().max()),

@@ -33,13 +33,16 @@ from kvloop.kernels.linear import (
     F32,
     Q4,
     Q8,
+    dequantize,
     linear_reference,
     native_linear,
     pack_q4,
+    packed_bf16,
     quantize_acts,
     quantize_acts_reference,
     unpack_q4,
 )
+from kvloop.models.native import bf16_gemm_fast
 from kvloop.runner import NATIVE_MAX_ROWS, ModelRunner
 
 GROUP = 32
@@ -248,6 +251,43 @@ def test_int8_weights_with_fp32_activations(N: int, K: int) -> None:
         native_linear(F32, torch.randn(N, K), K, float_acts=True)
 
 
+@pytest.mark.parametrize(("N", "K"), [(100, 576), (8, 1536)])
+@pytest.mark.parametrize("kind", [Q8, Q4], ids=["q8", "q4"])
+def test_bf16_batched_path(kind: int, N: int, K: int) -> None:
+    # A quantized layer given bf16 weights runs batches of >= bf16_min_rows rows through
+    # oneDNN's bf16 GEMM (in chunks of 128 rows: 129 and 300 cross them) and smaller ones
+    # through the int8 kernels, unchanged.
+    if not bf16_gemm_fast():
+        pytest.skip("no AVX512-BF16: the bf16 path is not used on this CPU")
+    g = _gen(N + K + kind)
+    w, scales = make_weight(kind, N, K, g)
+    for bias in (None, torch.randn(N, generator=g)):
+        lin = native_linear(kind, w, K, scales, bias)
+        lin.set_bf16(packed_bf16(dequantize(kind, w, K, scales).float()))
+        assert lin.has_bf16
+        small = lin.bf16_min_rows - 1
+        x = torch.randn(small, K, generator=g)
+        assert_linear_close(lin.forward(x), linear_reference(x, kind, w, K, scales, bias),
+                            f"M={small}")
+        for M in (lin.bf16_min_rows, 129, 300):
+            x = torch.randn(M, K, generator=g)
+            y = lin.forward(x)
+            ref = linear_reference(x, kind, w, K, scales, bias, bf16=True)
+            # The kernel's fp32 sums and the reference's float64 ones may round to
+            # neighbouring bf16 values: one bf16 step apart (2^-8 of the value), or, where
+            # the terms cancel, one step of the largest output.
+            torch.testing.assert_close(y, ref, rtol=2**-7, atol=2**-8 * float(ref.abs().max()))
+            int8_path = linear_reference(x, kind, w, K, scales, bias)
+            assert (y - int8_path).abs().max() > LINEAR_RTOL * float(ref.abs().max())
+    lin = native_linear(kind, w, K, scales)
+    with pytest.raises(RuntimeError, match="prepacked"):
+        lin.set_bf16(dequantize(kind, w, K, scales).to(torch.bfloat16))  # not packed
+    with pytest.raises(RuntimeError, match="prepacked"):
+        lin.set_bf16(packed_bf16(torch.randn(N + 1, K)))  # wrong shape
+    with pytest.raises(RuntimeError, match="quantized weights"):
+        native_linear(F32, torch.randn(N, K), K).set_bf16(packed_bf16(torch.randn(N, K)))
+
+
 def test_native_linear_fp32_odd_widths() -> None:
     # K not a multiple of the 16-wide vector loop: the scalar tail (fp32 only, quantized
     # kinds need groups of 32).
@@ -434,6 +474,28 @@ def test_native_decode_matches_pytorch_tiny(tiny_dir: Path,
     for out in native:
         assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
     assert_same_greedy(native, ref, atol=1e-4)
+
+
+def test_native_decode_large_int8_batch_matches_pytorch(tiny_model_dir: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # 20 sequences: decode steps of >= bf16_min_rows rows, where quantized layers switch to
+    # their bf16 path (on CPUs with AVX512-BF16), inside the native step and the modules
+    # alike; the native step's workspace grows to 20 rows and shrinks back as batches do.
+    llm = LLM(tiny_model_dir, quantization="int8", enable_prefix_caching=False)
+    runner = llm.engine.runner
+    assert runner.decoder is not None
+    prompts = random_prompts(PROMPT_LENS * 3 + [3, 30], llm.engine.model_config.vocab_size, 4)
+    params = [SamplingParams(max_tokens=8 + 2 * (i % 5), temperature=0, ignore_eos=True,
+                             logprobs=0) for i in range(len(prompts))]
+    sizes = count_native_steps(monkeypatch, runner)
+    native = llm.generate(prompts, params)
+    assert max(sizes) == len(prompts) and min(sizes) < 16
+    use_pytorch_path(monkeypatch, runner)
+    # Same greedy tokens; logprobs within 1e-2, not 1e-4: the two paths' fp32 arithmetic
+    # differs in the last bits (attention, norms), and now and then an activation sitting
+    # on a bf16 rounding boundary rounds the other way, one bf16 step (2^-8) that a 2-layer
+    # model carries to the logits almost whole. A wrong row would be off by O(1).
+    assert_same_greedy(native, llm.generate(prompts, params), atol=1e-2)
 
 
 # -- 6. the default model -------------------------------------------------------------------

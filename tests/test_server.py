@@ -506,7 +506,15 @@ def test_non_stream_disconnect_aborts(client: httpx.Client,
 
 def test_overload_is_429_with_retry_after(tiny_model_dir: Path) -> None:
     engine = tiny_engine(tiny_model_dir, max_num_seqs=1)
-    # As long as the context allows, so A still runs when C arrives even on a fast machine.
+    # A must still run when C arrives: as long as the context allows, and each step slowed
+    # to >= 5 ms (the tiny model alone decodes 2000 tokens in well under a second).
+    step = engine.step
+
+    def slow_step() -> list:
+        time.sleep(0.005)
+        return step()
+
+    engine.step = slow_step  # type: ignore[method-assign]
     long = {"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True}
     with serve(engine, max_waiting=1) as server, \
             httpx.Client(base_url=server.url, timeout=60) as c:

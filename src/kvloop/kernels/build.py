@@ -26,15 +26,43 @@ _module: Any = None
 _tried = False
 
 
-def _isa() -> str:
-    """The instruction set to build for: AVX2+FMA intrinsics where the CPU has them.
+ISAS = ("scalar", "avx2", "avx512vnni")
+_FLAGS = {
+    "scalar": [],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    # AVX-512 VNNI's vpdpbusd (on 256-bit registers: AVX512VL) for the int8 dot products.
+    "avx512vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                   "-mavx512vnni"],
+}
 
-    Explicit ``-mavx2 -mfma`` rather than ``-march=native``: the build cache may sit on a
-    home directory shared by machines with different CPUs, and the ISA is part of the
+
+def cpu_isas() -> list[str]:
+    """The builds this CPU can run, most capable last."""
+    cap = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ...
+    features = torch.cpu.get_capabilities()
+    isas = ["scalar"]
+    if cap in ("AVX2", "AVX512"):
+        isas.append("avx2")
+    if cap == "AVX512" and all(features.get(f, False) for f in
+                               ("avx512_f", "avx512_bw", "avx512_vl", "avx512_vnni")):
+        isas.append("avx512vnni")
+    return isas
+
+
+def _isa() -> str:
+    """The instruction set to build for: the CPU's best, or ``KVLOOP_ISA`` if it can run it.
+
+    Explicit flags rather than ``-march=native``: the build cache may sit on a home
+    directory shared by machines with different CPUs, and the ISA is part of the
     extension's name, so a build is only ever reused on a CPU class it can run on.
     """
-    cap = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ...
-    return "avx2" if cap in ("AVX2", "AVX512") else "scalar"
+    isas = cpu_isas()
+    want = os.environ.get("KVLOOP_ISA", "")
+    if want:
+        if want not in isas:
+            raise RuntimeError(f"KVLOOP_ISA={want!r}: this CPU runs {', '.join(isas)}")
+        return want
+    return isas[-1]
 
 
 def _build_dir(name: str) -> Path:
@@ -52,7 +80,7 @@ def _build(isa: str, verbose: bool = False) -> Any:
     from torch.utils.cpp_extension import load
 
     name = f"kvloop_kernels_{isa}"
-    flags = ["-O3", "-fopenmp"] + (["-mavx2", "-mfma", "-mf16c"] if isa == "avx2" else [])
+    flags = ["-O3", "-fopenmp", *_FLAGS[isa]]
     build_dir = _build_dir(name)
     build_dir.mkdir(parents=True, exist_ok=True)
     # load() recompiles only when the source or flags change (it hashes them). Its own
@@ -89,6 +117,7 @@ def available() -> bool:
             else:
                 try:
                     _module = _build(_isa())
+                    log.info("native kernels: %s build", _module.compiled_isa())
                 except Exception as e:  # any build/load failure: fall back, never crash
                     msg = str(e).strip().splitlines()
                     log.warning("native kernels unavailable, using PyTorch: %s",

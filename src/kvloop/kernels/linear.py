@@ -16,8 +16,8 @@ import torch
 from kvloop.kernels.build import native_module as _ext
 from kvloop.quant.layout import F32, GROUP, Q4, Q8, pack_q4, unpack_q4
 
-__all__ = ["F32", "Q4", "Q8", "linear_reference", "native_linear", "pack_q4",
-           "quantize_acts", "quantize_acts_reference", "unpack_q4"]
+__all__ = ["F32", "Q4", "Q8", "dequantize", "linear_reference", "native_linear", "pack_q4",
+           "packed_bf16", "quantize_acts", "quantize_acts_reference", "unpack_q4"]
 
 def quantize_acts_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q [M, K] integer-valued fp32 in [-127, 127], d [M, K/32]): x ~= d * q."""
@@ -29,10 +29,28 @@ def quantize_acts_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return torch.round(g * inv[..., None]).view(M, K), d
 
 
+def dequantize(kind: int, weight: torch.Tensor, in_features: int,
+               scales: torch.Tensor | None = None) -> torch.Tensor:
+    """The layout's weights as float64 [N, K]."""
+    if kind == F32:
+        return weight.double()
+    if kind == Q8:
+        assert scales is not None
+        return weight.double() * scales.double()[:, None]
+    codes, s, m = unpack_q4(weight, in_features)
+    g = codes.double().view(codes.shape[0], -1, GROUP)
+    return (g * s.double()[..., None] + m.double()[..., None]).view(codes.shape)
+
+
 def linear_reference(x: torch.Tensor, kind: int, weight: torch.Tensor, in_features: int,
                      scales: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                     float_acts: bool = False) -> torch.Tensor:
-    """What the kernel computes, in float64 sums: [M, K] -> [M, N]."""
+                     float_acts: bool = False, bf16: bool = False) -> torch.Tensor:
+    """What the kernel computes, in float64 sums: [M, K] -> [M, N]. bf16: the batched path
+    of a layer given bf16 weights (set_bf16): x and w rounded to bf16, the sum to bf16."""
+    if bf16:
+        w = dequantize(kind, weight, in_features, scales).to(torch.bfloat16).double()
+        y = (x.to(torch.bfloat16).double() @ w.T).to(torch.bfloat16).double()
+        return (y if bias is None else y + bias.double()).float()
     if kind == F32:
         y = x.double() @ weight.double().T
     elif float_acts:  # int8 weights, activations as they are
@@ -41,14 +59,7 @@ def linear_reference(x: torch.Tensor, kind: int, weight: torch.Tensor, in_featur
     else:
         q, d = quantize_acts_reference(x)
         xd = (q.view(q.shape[0], -1, GROUP) * d[..., None]).view_as(q).double()
-        if kind == Q8:
-            assert scales is not None
-            w = weight.double() * scales.double()[:, None]
-        else:
-            codes, s, m = unpack_q4(weight, in_features)
-            g = codes.double().view(codes.shape[0], -1, GROUP)
-            w = (g * s.double()[..., None] + m.double()[..., None]).view(codes.shape)
-        y = xd @ w.T
+        y = xd @ dequantize(kind, weight, in_features, scales).T
     if bias is not None:
         y = y + bias.double()
     return y.float()
@@ -60,6 +71,12 @@ def native_linear(kind: int, weight: torch.Tensor, in_features: int,
     """A kernel-side linear layer (holds references to the tensors, no copies).
     float_acts (int8 weights only): fp32 activations instead of int8-rounded ones."""
     return _ext().QLinear(kind, weight, in_features, scales, bias, float_acts)
+
+
+def packed_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """fp32 [N, K] weights rounded to bf16 and prepacked for oneDNN: what a quantized
+    layer's ``set_bf16`` takes for its batched path."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), None)
 
 
 def quantize_acts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,12 +19,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvloop.quant.layout import Q4, pack_q4
+from kvloop.quant.layout import Q4, pack_q4, unpack_q4
 
 GROUP_SIZE = 32
 # Up to this many rows the native 4-bit kernel runs (decode-sized steps); beyond, PyTorch's
 # tinygemm kernel with bf16 activations was faster here (512-token prefill: 587 vs 480
-# tok/s), so prefill keeps it.
+# tok/s), so prefill keeps it, unless the native layer has the bf16 copy of its weights
+# for batches (CPUs with AVX512-BF16), which is faster than both.
 NATIVE_MAX_ROWS = 64
 
 
@@ -93,8 +94,13 @@ class Int4Linear(nn.Module):
         """(kind, weight, in_features, scales, bias) for ``kvloop.kernels.native_linear``."""
         return Q4, self.native_packed, self.in_features, None, self.bias
 
+    def dequantize(self) -> torch.Tensor:  # [N, K] fp32, as the native kernels decode it
+        codes, s, m = unpack_q4(self.native_packed, self.in_features)
+        g = codes.float().view(self.out_features, -1, GROUP_SIZE)
+        return (g * s[..., None] + m[..., None]).view(self.out_features, self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
-        if self.native is not None and x.shape[0] <= NATIVE_MAX_ROWS:
+        if self.native is not None and (x.shape[0] <= NATIVE_MAX_ROWS or self.native.has_bf16):
             return self.native.forward(x)  # type: ignore[no-any-return]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), self.packed, GROUP_SIZE, self.scales_zeros)

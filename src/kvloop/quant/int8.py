@@ -2,7 +2,10 @@
 
 Where kvloop's native kernels are built, `native` holds one over these weights and every
 forward uses it (int8 activations per block of 32, see kvloop.kernels.linear; measured
-faster than PyTorch's kernel here at every row count, prefill included). Otherwise
+faster than PyTorch's kernel here at every row count, prefill included). On CPUs with
+bf16 dot products it also holds a bf16 copy of the weights, and batches of 16 rows or
+more (prefill, large decode batches: compute-bound) go through oneDNN's bf16 GEMM
+instead (kvloop.models.native.attach_native_linears). Otherwise
 PyTorch's `_weight_int8pack_mm` runs, vectorized on AVX2 only with bf16 activations
 (all linears of the default model at batch 1: 11.5 ms with bf16, 66 ms with fp32), so
 activations are rounded to bf16 for it and the result returned in fp32.

@@ -13,6 +13,17 @@ bool compiled_with_avx2() {
   return false;
 #endif
 }
+
+// The instruction set the kernels were compiled for (matches kvloop.kernels.build's names).
+const char* compiled_isa() {
+#if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return "avx512vnni";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -23,6 +34,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged attention for decode rows and prefill chunks over a block-table KV cache",
         Release());
   m.def("compiled_with_avx2", &compiled_with_avx2);
+  m.def("compiled_isa", &compiled_isa);
   m.def("quantize_acts", &kvloop::quantize_acts_tensor,
         "x [M, K] -> (int8 [M, K], scales [M, K/32]): the kernels' activation rounding",
         Release());
@@ -34,6 +46,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("scales") = py::none(), py::arg("bias") = py::none(),
            py::arg("float_acts") = false)
       .def_readonly("float_acts", &QLinear::float_acts)
+      .def("set_bf16", &QLinear::set_bf16, py::arg("weight"))
+      .def_property_readonly("has_bf16", [](const QLinear& l) { return l.bf16.defined(); })
+      .def_readonly_static("bf16_min_rows", &QLinear::kBf16MinRows)
       .def("forward", &QLinear::forward, Release())
       .def_readonly("out_features", &QLinear::out_features)
       .def_readonly("in_features", &QLinear::in_features)

@@ -140,31 +140,29 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
                   "row ", m, ": block id ", tables[m * max_blocks + b], " out of range");
   }
 
-  const auto opts = embed_.options();
-  auto x_t = at::empty({M, H}, opts);
-  float* x = x_t.data_ptr<float>();
+  const std::lock_guard<std::mutex> guard(mu_);
+  Workspace& ws = workspace(M);
+  float* x = ws.x.data();
   const float* emb = embed_.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) std::memcpy(x + m * H, emb + ids[m] * H, H * sizeof(float));
 
   const int64_t qkv_n = (Hq + 2 * Hkv) * D;
-  std::vector<float> h(M * H), qkv(M * qkv_n), delta(M * H);
-  auto gu_t = at::empty({M * 2 * max_inter_}, opts);
-  auto act_t = at::empty({M * max_inter_}, opts);
-  auto q_t = at::empty({M, Hq, D}, opts);
-  float* q = q_t.data_ptr<float>();
-  QuantizedActs acts;
-  const float scale = 1.f / std::sqrt(static_cast<float>(D));
+  float *h = ws.h.data(), *qkv = ws.qkv.data(), *delta = ws.delta.data(), *q = ws.q.data(),
+        *o = ws.o.data();
+  // Every layer's cache has the shape checked above: one attention plan serves them all.
+  const AttentionPlan attention(M, Hq, Hkv, D, num_slots, tables_t, std::nullopt, ctx_t,
+                                block_size, 1.0 / std::sqrt(static_cast<double>(D)));
   const float* cos = cos_.data_ptr<float>();
   const float* sin = sin_.data_ptr<float>();
 
   for (size_t li = 0; li < layers_.size(); ++li) {
     const Layer& L = layers_[li];
     // Attention block.
-    rms_norm(x, L.attn_norm.data_ptr<float>(), M, H, eps_, h.data());
-    L.qkv->apply(h.data(), M, acts, qkv.data());
+    rms_norm(x, L.attn_norm.data_ptr<float>(), M, H, eps_, h);
+    L.qkv->apply(h, M, ws.acts, qkv);
     float* cache = kv_caches[li].data_ptr<float>();
     for (int64_t m = 0; m < M; ++m) {
-      float* row = qkv.data() + m * qkv_n;  // [q: Hq*D | k: Hkv*D | v: Hkv*D]
+      float* row = qkv + m * qkv_n;  // [q: Hq*D | k: Hkv*D | v: Hkv*D]
       rope(row, Hq + Hkv, D, cos + pos[m] * D, sin + pos[m] * D);
       std::memcpy(q + m * Hq * D, row, Hq * D * sizeof(float));
       for (int64_t kh = 0; kh < Hkv; ++kh) {
@@ -174,25 +172,40 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
                     D * sizeof(float));
       }
     }
-    const at::Tensor o = paged_attention_varlen(q_t, kv_caches[li], tables_t, std::nullopt,
-                                                ctx_t, block_size, scale);  // [M, Hq, D]
-    L.o_proj->apply(o.data_ptr<float>(), M, acts, delta.data());
+    attention.run(q, cache, o);  // [M, Hq, D]
+    L.o_proj->apply(o, M, ws.acts, delta);
     for (int64_t i = 0; i < M * H; ++i) x[i] += delta[i];
     // MLP block.
-    rms_norm(x, L.mlp_norm.data_ptr<float>(), M, H, eps_, h.data());
+    rms_norm(x, L.mlp_norm.data_ptr<float>(), M, H, eps_, h);
     const int64_t I = L.down->in_features;
-    const auto gu = gu_t.narrow(0, 0, M * 2 * I).view({M, 2 * I});
-    auto act = act_t.narrow(0, 0, M * I).view({M, I});
-    L.gate_up->apply(h.data(), M, acts, gu.data_ptr<float>());
+    const auto gu = ws.gu.narrow(0, 0, M * 2 * I).view({M, 2 * I});
+    auto act = ws.act.narrow(0, 0, M * I).view({M, I});
+    L.gate_up->apply(h, M, ws.acts, gu.data_ptr<float>());
     // SiLU(gate) * up through ATen's vectorised SiLU (the op the PyTorch path uses, so
     // both paths round alike); a scalar exp here cost ~7 ms a step at 32 rows.
     at::silu_out(act, gu.narrow(1, 0, I)).mul_(gu.narrow(1, I, I));
-    L.down->apply(act.data_ptr<float>(), M, acts, delta.data());
+    L.down->apply(act.data_ptr<float>(), M, ws.acts, delta);
     for (int64_t i = 0; i < M * H; ++i) x[i] += delta[i];
   }
-  auto out = at::empty({M, H}, opts);
+  auto out = at::empty({M, H}, embed_.options());
   rms_norm(x, final_norm_.data_ptr<float>(), M, H, eps_, out.data_ptr<float>());
   return out;
+}
+
+Decoder::Workspace& Decoder::workspace(int64_t rows) const {
+  if (rows > ws_.rows) {
+    const int64_t H = hidden_, qd = num_heads_ * head_dim_;
+    ws_.x.resize(rows * H);
+    ws_.h.resize(rows * H);
+    ws_.delta.resize(rows * H);
+    ws_.qkv.resize(rows * (num_heads_ + 2 * num_kv_heads_) * head_dim_);
+    ws_.q.resize(rows * qd);
+    ws_.o.resize(rows * qd);
+    ws_.gu = at::empty({rows * 2 * max_inter_}, embed_.options());
+    ws_.act = at::empty({rows * max_inter_}, embed_.options());
+    ws_.rows = rows;
+  }
+  return ws_;
 }
 
 at::Tensor Decoder::logits(const at::Tensor& hidden) const { return lm_head_->forward(hidden); }

@@ -5,12 +5,48 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <vector>
 
 namespace kvloop {
 
 // ---- paged attention (paged_attention.cpp) ----
+
+// One unit of attention work: a sequence's kv head and a tile of its query rows.
+struct AttentionItem {
+  int64_t seq;
+  int64_t kv_head;
+  int64_t row0;   // first query row of the tile, relative to the sequence's rows
+  int64_t nrows;
+  int64_t g0;     // first query head of the group handled here (groups > kMaxQ are split)
+  int64_t ng;
+  int64_t cost;   // ~ key rows x query vectors, for load balancing
+};
+
+// One attention call's validated layout: which query rows belong to which sequence, how
+// far each context reaches, every block id it will read, the work items and their split
+// over threads. Built once, it runs over any cache of the shape it was checked against:
+// the decode step builds one per step and runs it for every layer.
+class AttentionPlan {
+ public:
+  // T query rows of num_heads heads; caches [2, num_kv_heads, slots, head_dim]. See
+  // paged_attention_varlen for the other arguments.
+  AttentionPlan(int64_t T, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                int64_t slots, const at::Tensor& block_tables,
+                const std::optional<at::Tensor>& query_start, const at::Tensor& context_lens,
+                int64_t block_size, double scale);
+  // q [T, H, D], kv_cache [2, Hkv, slots, D] -> out [T, H, D] (raw contiguous fp32).
+  void run(const float* q, const float* kv_cache, float* out) const;
+
+ private:
+  int64_t H_, Hkv_, D_, slots_, block_size_;
+  float scale_;
+  at::Tensor tables_t_, qstart_t_, ctx_t_;
+  std::vector<AttentionItem> items_;
+  std::vector<int64_t> prefix_;  // [items + 1] running cost
+  int64_t parts_ = 1;            // threads the items are split over
+};
 at::Tensor paged_attention_varlen(const at::Tensor& q, const at::Tensor& kv_cache,
                                   const at::Tensor& block_tables,
                                   const std::optional<at::Tensor>& query_start,
@@ -27,6 +63,8 @@ struct QuantizedActs {
   std::vector<int8_t> q;  // [M, K]
   std::vector<float> d;   // [M, K / 32]  scale: x ~= d * q
   std::vector<float> s;   // [M, K / 32]  d * sum(q) of the block
+  std::vector<float> ssum;  // [M]        sum of the row's s (int8 weights, VNNI path)
+  at::Tensor xb;  // bf16 input of the batched path (QLinear::set_bf16)
 };
 
 constexpr int64_t kMaxGroups = 2048;  // int4: in_features up to 65536
@@ -47,6 +85,14 @@ struct QLinear {
   int64_t out_features = 0, in_features = 0;
   at::Tensor weight, scales;
   std::optional<at::Tensor> bias;
+  // Optional bf16 [N, K] copy of the weights as the layout decodes them (w rounded to
+  // bf16, prepacked for oneDNN), for batches of at least kBf16MinRows rows: there the
+  // step is compute-bound, and oneDNN's bf16 GEMM (AVX512-BF16 dot products, fp32 sums)
+  // runs at ~2.3x this CPU's fp32 rate, where the int8 kernels, which must scale every
+  // 32-wide block, run at ~1.2x. Below, the int8 kernels read 2-4x fewer bytes and win.
+  at::Tensor bf16;
+  static constexpr int64_t kBf16MinRows = 16;
+  static constexpr int64_t kBf16ChunkRows = 128;
 
   QLinear(int64_t kind, at::Tensor weight, int64_t in_features,
           std::optional<at::Tensor> scales, std::optional<at::Tensor> bias,
@@ -60,6 +106,10 @@ struct QLinear {
   void apply(const float* x, int64_t M, QuantizedActs& acts, float* y) const;
   at::Tensor forward(const at::Tensor& x) const;  // [M, K] -> [M, N], for Python and tests
   int64_t weight_bytes() const;
+  void set_bf16(const at::Tensor& w);  // the batched path's weights (see `bf16`)
+
+ private:
+  void run_bf16(const float* x, int64_t M, QuantizedActs& scratch, float* y) const;
 };
 
 void quantize_acts(const float* x, int64_t M, int64_t K, QuantizedActs& out);
@@ -96,11 +146,22 @@ class Decoder {
     std::shared_ptr<QLinear> qkv, o_proj, gate_up, down;
   };
   int64_t num_heads_, num_kv_heads_, head_dim_, hidden_;
-  int64_t max_inter_ = 0;  // widest MLP of any layer: sizes the per-step gate/up buffers
+  int64_t max_inter_ = 0;  // widest MLP of any layer: sizes the gate/up buffers
   float eps_;
   at::Tensor embed_, cos_, sin_, final_norm_;
   std::shared_ptr<QLinear> lm_head_;
   std::vector<Layer> layers_;
+  // The step's intermediate buffers, kept from step to step (grown when a step has more
+  // rows than any before), so a step allocates only the hidden states it returns.
+  struct Workspace {
+    int64_t rows = 0;
+    std::vector<float> x, h, qkv, delta, q, o;
+    at::Tensor gu, act;  // [rows, 2 * max_inter], [rows, max_inter]: ATen's SiLU runs on them
+    QuantizedActs acts;
+  };
+  Workspace& workspace(int64_t rows) const;
+  mutable std::mutex mu_;  // one step at a time owns the workspace
+  mutable Workspace ws_;
 };
 
 }  // namespace kvloop

@@ -274,15 +274,7 @@ inline void for_qblocks(int64_t m, const N& n_of, const F& f) {
   }
 }
 
-struct Item {
-  int64_t seq;
-  int64_t kv_head;
-  int64_t row0;   // first query row of the tile, relative to the sequence's rows
-  int64_t nrows;
-  int64_t g0;     // first query head of the group handled here (groups > kMaxQ are split)
-  int64_t ng;
-  int64_t cost;   // ~ key rows x query vectors, for load balancing
-};
+using Item = AttentionItem;
 
 struct Problem {
   const float* q;       // [T, H, D]
@@ -419,20 +411,19 @@ void run_item(const Problem& P, const index_t* tables, const Item& it, const Ite
 }
 
 template <typename index_t>
-void run(const Problem& P, const index_t* tables, const std::vector<Item>& items) {
-  // Static split into one contiguous range per thread with equal total cost: sequence
-  // lengths differ, and at::parallel_for alone would split by item count.
+void run_items(const Problem& P, const index_t* tables, const std::vector<Item>& items,
+               const std::vector<int64_t>& prefix, int64_t parts) {
   const int64_t nitems = static_cast<int64_t>(items.size());
-  std::vector<int64_t> prefix(nitems + 1, 0);
-  for (int64_t i = 0; i < nitems; ++i) prefix[i + 1] = prefix[i] + items[i].cost;
   const int64_t total = prefix[nitems];
-  // Small calls stay on the calling thread: waking the pool costs more than it saves.
-  const int64_t parts = std::clamp<int64_t>(
-      std::min<int64_t>(total / kMinCostPerThread, nitems), 1, at::get_num_threads());
-
   at::parallel_for(0, parts, 1, [&](int64_t pbegin, int64_t pend) {
+    // Per-thread scratch, kept between calls (a decode step runs this once per layer).
+    thread_local std::vector<float> qs, acc, s;
     const int64_t kq = kMaxQ * P.D;
-    std::vector<float> qs(kq), acc(kq), s(kMaxQ * kTile);
+    if (static_cast<int64_t>(qs.size()) < kq) {
+      qs.resize(kq);
+      acc.resize(kq);
+    }
+    s.resize(kMaxQ * kTile);
     TileRows tiles[2];
     for (int64_t part = pbegin; part < pend; ++part) {
       // Items whose cost prefix starts in this part's share of the total.
@@ -450,6 +441,80 @@ void run(const Problem& P, const index_t* tables, const std::vector<Item>& items
 
 }  // namespace
 
+AttentionPlan::AttentionPlan(int64_t T, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, int64_t slots, const at::Tensor& block_tables,
+                             const std::optional<at::Tensor>& query_start,
+                             const at::Tensor& context_lens, int64_t block_size, double scale)
+    : H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), slots_(slots),
+      block_size_(block_size), scale_(static_cast<float>(scale)) {
+  TORCH_CHECK(block_tables.dim() == 2 && (block_tables.scalar_type() == at::kLong ||
+                                          block_tables.scalar_type() == at::kInt),
+              "block_tables must be an int32/int64 [N, max_blocks] tensor");
+  TORCH_CHECK(block_size > 0, "block_size must be positive");
+  TORCH_CHECK(Hkv_ > 0 && H_ % Hkv_ == 0, "query heads must be a multiple of kv heads");
+  const int64_t G = H_ / Hkv_;
+  const int64_t N = block_tables.size(0), max_blocks = block_tables.size(1);
+  // No query_start: one query row per sequence (decode).
+  qstart_t_ = query_start.has_value() ? query_start->to(at::kLong).contiguous()
+                                      : at::arange(N + 1, at::kLong);
+  ctx_t_ = context_lens.to(at::kLong).contiguous();
+  TORCH_CHECK(qstart_t_.dim() == 1 && qstart_t_.numel() == N + 1, "query_start must be [N + 1]");
+  TORCH_CHECK(ctx_t_.dim() == 1 && ctx_t_.numel() == N, "context_lens must be [N]");
+  tables_t_ = block_tables.contiguous();
+  const int64_t* qstart = qstart_t_.data_ptr<int64_t>();
+  const int64_t* ctx = ctx_t_.data_ptr<int64_t>();
+  TORCH_CHECK(qstart[0] == 0 && qstart[N] == T, "query_start must run from 0 to T");
+
+  // Pack query rows x group heads into items of up to kMaxQ vectors: whole groups (and,
+  // for prefill, several rows) when they fit, slices of a group when G > kMaxQ.
+  const int64_t head_tile = std::min(G, kMaxQ);
+  const int64_t rows_per_item = kMaxQ / head_tile;
+  items_.reserve(N * Hkv_);
+  const int64_t blocks_avail = slots / block_size;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t L = qstart[n + 1] - qstart[n];
+    TORCH_CHECK(L >= 0, "query_start must be non-decreasing");
+    TORCH_CHECK(ctx[n] >= L, "sequence ", n, ": context_len ", ctx[n], " < its ", L,
+                " query rows");
+    TORCH_CHECK(ctx[n] <= max_blocks * block_size, "sequence ", n, ": context_len ", ctx[n],
+                " exceeds its block table");
+    // Validate every block the kernel will read, so a bad table is an error, not a segfault.
+    const int64_t used = (ctx[n] + block_size - 1) / block_size;
+    AT_DISPATCH_INDEX_TYPES(tables_t_.scalar_type(), "paged_attention_check", [&] {
+      const index_t* row = tables_t_.data_ptr<index_t>() + n * max_blocks;
+      for (int64_t b = 0; b < used; ++b)
+        TORCH_CHECK(row[b] >= 0 && row[b] < blocks_avail, "sequence ", n, ": block id ",
+                    static_cast<int64_t>(row[b]), " out of range [0, ", blocks_avail, ")");
+    });
+    for (int64_t r0 = 0; r0 < L; r0 += rows_per_item) {
+      const int64_t nr = std::min(rows_per_item, L - r0);
+      const int64_t keys = ctx[n] - L + r0 + nr;  // the tile's last row sees the most
+      for (int64_t h = 0; h < Hkv_; ++h)
+        for (int64_t g0 = 0; g0 < G; g0 += head_tile) {
+          const int64_t ng = std::min(head_tile, G - g0);
+          items_.push_back({n, h, r0, nr, g0, ng, (keys + 8) * (nr * ng + 2)});
+        }
+    }
+  }
+  // Static split into one contiguous range per thread with equal total cost: sequence
+  // lengths differ, and at::parallel_for alone would split by item count.
+  const int64_t nitems = static_cast<int64_t>(items_.size());
+  prefix_.assign(nitems + 1, 0);
+  for (int64_t i = 0; i < nitems; ++i) prefix_[i + 1] = prefix_[i] + items_[i].cost;
+  // Small calls stay on the calling thread: waking the pool costs more than it saves.
+  parts_ = std::clamp<int64_t>(std::min<int64_t>(prefix_[nitems] / kMinCostPerThread, nitems),
+                               1, at::get_num_threads());
+}
+
+void AttentionPlan::run(const float* q, const float* kv_cache, float* out) const {
+  if (items_.empty()) return;
+  const Problem P{q, kv_cache, out, qstart_t_.data_ptr<int64_t>(), ctx_t_.data_ptr<int64_t>(),
+                  H_, Hkv_, H_ / Hkv_, D_, slots_, block_size_, tables_t_.size(1), scale_};
+  AT_DISPATCH_INDEX_TYPES(tables_t_.scalar_type(), "paged_attention", [&] {
+    run_items<index_t>(P, tables_t_.data_ptr<index_t>(), items_, prefix_, parts_);
+  });
+}
+
 // q [T, H, D] fp32; kv_cache [2, Hkv, slots, D] fp32; block_tables [N, max_blocks]
 // int32/int64; query_start [N + 1] int64, row offsets into q (None: one row per sequence);
 // context_lens [N] int64, tokens in the cache including the query rows. Returns [T, H, D].
@@ -463,69 +528,12 @@ at::Tensor paged_attention_varlen(const at::Tensor& q, const at::Tensor& kv_cach
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 &&
                   kv_cache.scalar_type() == at::kFloat && kv_cache.is_contiguous(),
               "kv_cache must be a contiguous float32 [2, Hkv, slots, D] tensor");
-  TORCH_CHECK(block_tables.dim() == 2 && (block_tables.scalar_type() == at::kLong ||
-                                          block_tables.scalar_type() == at::kInt),
-              "block_tables must be an int32/int64 [N, max_blocks] tensor");
   TORCH_CHECK(!q.is_cuda() && !kv_cache.is_cuda(), "CPU tensors only");
-  TORCH_CHECK(block_size > 0, "block_size must be positive");
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t Hkv = kv_cache.size(1), slots = kv_cache.size(2);
-  TORCH_CHECK(kv_cache.size(3) == D, "head_dim of q and kv_cache differ");
-  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "query heads must be a multiple of kv heads");
-  const int64_t G = H / Hkv;
-  const int64_t N = block_tables.size(0), max_blocks = block_tables.size(1);
-  // No query_start: one query row per sequence (decode).
-  const auto qstart_t = query_start.has_value() ? query_start->to(at::kLong).contiguous()
-                                                : at::arange(N + 1, at::kLong);
-  const auto ctx_t = context_lens.to(at::kLong).contiguous();
-  TORCH_CHECK(qstart_t.dim() == 1 && qstart_t.numel() == N + 1, "query_start must be [N + 1]");
-  TORCH_CHECK(ctx_t.dim() == 1 && ctx_t.numel() == N, "context_lens must be [N]");
-  const auto tables_t = block_tables.contiguous();
-  const int64_t* qstart = qstart_t.data_ptr<int64_t>();
-  const int64_t* ctx = ctx_t.data_ptr<int64_t>();
-  TORCH_CHECK(qstart[0] == 0 && qstart[N] == T, "query_start must run from 0 to T");
-
-  // Pack query rows x group heads into items of up to kMaxQ vectors: whole groups (and,
-  // for prefill, several rows) when they fit, slices of a group when G > kMaxQ.
-  const int64_t head_tile = std::min(G, kMaxQ);
-  const int64_t rows_per_item = kMaxQ / head_tile;
-  std::vector<Item> items;
-  items.reserve(N * Hkv);
-  const int64_t blocks_avail = slots / block_size;
-  for (int64_t n = 0; n < N; ++n) {
-    const int64_t L = qstart[n + 1] - qstart[n];
-    TORCH_CHECK(L >= 0, "query_start must be non-decreasing");
-    TORCH_CHECK(ctx[n] >= L, "sequence ", n, ": context_len ", ctx[n], " < its ", L,
-                " query rows");
-    TORCH_CHECK(ctx[n] <= max_blocks * block_size, "sequence ", n, ": context_len ", ctx[n],
-                " exceeds its block table");
-    // Validate every block the kernel will read, so a bad table is an error, not a segfault.
-    const int64_t used = (ctx[n] + block_size - 1) / block_size;
-    AT_DISPATCH_INDEX_TYPES(tables_t.scalar_type(), "paged_attention_check", [&] {
-      const index_t* row = tables_t.data_ptr<index_t>() + n * max_blocks;
-      for (int64_t b = 0; b < used; ++b)
-        TORCH_CHECK(row[b] >= 0 && row[b] < blocks_avail, "sequence ", n, ": block id ",
-                    static_cast<int64_t>(row[b]), " out of range [0, ", blocks_avail, ")");
-    });
-    for (int64_t r0 = 0; r0 < L; r0 += rows_per_item) {
-      const int64_t nr = std::min(rows_per_item, L - r0);
-      const int64_t keys = ctx[n] - L + r0 + nr;  // the tile's last row sees the most
-      for (int64_t h = 0; h < Hkv; ++h)
-        for (int64_t g0 = 0; g0 < G; g0 += head_tile) {
-          const int64_t ng = std::min(head_tile, G - g0);
-          items.push_back({n, h, r0, nr, g0, ng, (keys + 8) * (nr * ng + 2)});
-        }
-    }
-  }
-
+  TORCH_CHECK(kv_cache.size(3) == q.size(2), "head_dim of q and kv_cache differ");
+  const AttentionPlan plan(q.size(0), q.size(1), kv_cache.size(1), q.size(2), kv_cache.size(2),
+                           block_tables, query_start, context_lens, block_size, scale);
   auto out = at::empty_like(q);
-  if (items.empty()) return out;
-  const Problem P{q.data_ptr<float>(), kv_cache.data_ptr<float>(), out.data_ptr<float>(),
-                  qstart, ctx, H, Hkv, G, D, slots, block_size, max_blocks,
-                  static_cast<float>(scale)};
-  AT_DISPATCH_INDEX_TYPES(tables_t.scalar_type(), "paged_attention", [&] {
-    run<index_t>(P, tables_t.data_ptr<index_t>(), items);
-  });
+  plan.run(q.data_ptr<float>(), kv_cache.data_ptr<float>(), out.data_ptr<float>());
   return out;
 }
 
