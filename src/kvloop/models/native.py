@@ -41,17 +41,18 @@ def attach_native_linears(model: LlamaForCausalLM) -> None:
     uses it wherever it measured faster than PyTorch's kernel (int8: every row count,
     prefill included; int4: decode-sized inputs, or every size with the bf16 copy).
 
-    Where bf16 GEMMs are fast, each layer but the head also gets a bf16 copy of its
-    weights (2 bytes a weight) for batches of ``bf16_min_rows`` rows or more: prefill and
-    large decode batches are compute-bound, and there the bf16 GEMM (activations rounded
-    to bf16, a finer rounding than the int8 kernels' per-block one) is ~2x faster. Decode
-    batches below that size still read only the quantized bytes."""
+    Where bf16 GEMMs are fast, each layer also gets a bf16 copy of its weights (2 bytes a
+    weight) for batches of ``bf16_min_rows`` rows or more: prefill and large decode
+    batches are compute-bound, and there the bf16 GEMM is ~2x faster. Its activations are
+    rounded to bf16, finer than the int8 kernels' per-block rounding; the head's output
+    (the logits) too, a step of 2^-8 of the logit, below the int8 weights' own error
+    (benchmarks/quant_quality.py). Decode batches below that size still read only the
+    quantized bytes."""
     wide = bf16_gemm_fast()
     for module in model.modules():
         if isinstance(module, Int8Linear | Int4Linear):
-            head = module is model.lm_head
-            module.native = native_linear_of(module, float_acts=head)
-            if wide and not head:
+            module.native = native_linear_of(module, float_acts=module is model.lm_head)
+            if wide:
                 module.native.set_bf16(packed_bf16(module.dequantize()))
 
 
