@@ -42,7 +42,7 @@ from kvloop.kernels.linear import (
     quantize_acts_reference,
     unpack_q4,
 )
-from kvloop.models.native import bf16_gemm_fast
+from kvloop.models.native import BF16_MIN_ROWS, bf16_gemm_fast
 from kvloop.runner import NATIVE_MAX_ROWS, ModelRunner
 
 GROUP = 32
@@ -100,16 +100,17 @@ def random_prompts(lens: list[int], vocab: int, seed: int) -> list[list[int]]:
 
 
 def count_native_steps(monkeypatch: pytest.MonkeyPatch, runner: ModelRunner) -> list[int]:
-    """Records the batch size of every step the runner sends to the native decoder (the
-    decoder itself is a pybind object: its methods cannot be wrapped)."""
+    """Records the batch size of every decode-only step the runner sends to the native
+    decoder (the decoder itself is a pybind object: its methods cannot be wrapped)."""
     sizes: list[int] = []
-    original = runner._native_decode
+    original = runner._native_step
 
     def counting(sched: SchedulerOutput) -> torch.Tensor:
-        sizes.append(len(sched.decodes))
+        if not sched.prefills:
+            sizes.append(len(sched.decodes))
         return original(sched)
 
-    monkeypatch.setattr(runner, "_native_decode", counting)
+    monkeypatch.setattr(runner, "_native_step", counting)
     return sizes
 
 
@@ -254,7 +255,7 @@ def test_int8_weights_with_fp32_activations(N: int, K: int) -> None:
 @pytest.mark.parametrize(("N", "K"), [(100, 576), (8, 1536)])
 @pytest.mark.parametrize("kind", [Q8, Q4], ids=["q8", "q4"])
 def test_bf16_batched_path(kind: int, N: int, K: int) -> None:
-    # A quantized layer given bf16 weights runs batches of >= bf16_min_rows rows through
+    # A quantized layer given bf16 weights runs batches of >= BF16_MIN_ROWS rows through
     # oneDNN's bf16 GEMM (in chunks of 128 rows: 129 and 300 cross them) and smaller ones
     # through the int8 kernels, unchanged.
     if not bf16_gemm_fast():
@@ -263,13 +264,13 @@ def test_bf16_batched_path(kind: int, N: int, K: int) -> None:
     w, scales = make_weight(kind, N, K, g)
     for bias in (None, torch.randn(N, generator=g)):
         lin = native_linear(kind, w, K, scales, bias)
-        lin.set_bf16(packed_bf16(dequantize(kind, w, K, scales).float()))
-        assert lin.has_bf16
-        small = lin.bf16_min_rows - 1
+        lin.set_batched(packed_bf16(dequantize(kind, w, K, scales).float()), BF16_MIN_ROWS)
+        assert lin.batched_min_rows == BF16_MIN_ROWS
+        small = BF16_MIN_ROWS - 1
         x = torch.randn(small, K, generator=g)
         assert_linear_close(lin.forward(x), linear_reference(x, kind, w, K, scales, bias),
                             f"M={small}")
-        for M in (lin.bf16_min_rows, 129, 300):
+        for M in (BF16_MIN_ROWS, 129, 300):
             x = torch.randn(M, K, generator=g)
             y = lin.forward(x)
             ref = linear_reference(x, kind, w, K, scales, bias, bf16=True)
@@ -281,11 +282,13 @@ def test_bf16_batched_path(kind: int, N: int, K: int) -> None:
             assert (y - int8_path).abs().max() > LINEAR_RTOL * float(ref.abs().max())
     lin = native_linear(kind, w, K, scales)
     with pytest.raises(RuntimeError, match="prepacked"):
-        lin.set_bf16(dequantize(kind, w, K, scales).to(torch.bfloat16))  # not packed
+        lin.set_batched(dequantize(kind, w, K, scales).to(torch.bfloat16), 16)  # not packed
     with pytest.raises(RuntimeError, match="prepacked"):
-        lin.set_bf16(packed_bf16(torch.randn(N + 1, K)))  # wrong shape
-    with pytest.raises(RuntimeError, match="quantized weights"):
-        native_linear(F32, torch.randn(N, K), K).set_bf16(packed_bf16(torch.randn(N, K)))
+        lin.set_batched(packed_bf16(torch.randn(N + 1, K)), 16)  # wrong shape
+    with pytest.raises(RuntimeError, match="prepacked"):  # fp32 weights take fp32 ones
+        native_linear(F32, torch.randn(N, K), K).set_batched(packed_bf16(torch.randn(N, K)), 16)
+    with pytest.raises(RuntimeError, match="min_rows"):
+        lin.set_batched(packed_bf16(dequantize(kind, w, K, scales).float()), 0)
 
 
 def test_native_linear_fp32_odd_widths() -> None:
@@ -436,6 +439,16 @@ def test_bad_decoder_inputs_raise(tiny_model_dir: Path) -> None:
         call([5], [0], [0], ctx=2)
     with pytest.raises(RuntimeError, match="exceeds its block table"):
         call([5], [bs], [bs], ctx=bs + 1)
+    # Prefill rows (query_start): a sequence's tokens are the last positions of its context.
+    two = (torch.tensor([5, 6]), torch.tensor([0, 1]), caches, torch.tensor([0, 1]),
+           torch.tensor([[0]]), torch.tensor([2]), bs)
+    assert dec.forward(*two, torch.tensor([0, 2])).shape == (2, c.hidden_size)
+    with pytest.raises(RuntimeError, match="query_start must run from 0"):
+        dec.forward(*two, torch.tensor([0, 1]))
+    with pytest.raises(RuntimeError, match="query_start must be"):
+        dec.forward(*two, torch.tensor([0, 1, 2]))
+    with pytest.raises(RuntimeError, match="context length 3 != position"):
+        dec.forward(*two[:5], torch.tensor([3]), bs, torch.tensor([0, 2]))
     # Every check runs before anything is written: the cache is untouched after a refusal.
     before = [t.clone() for t in caches]
     with pytest.raises(RuntimeError, match=r"block id \d+ out of range"):
@@ -476,26 +489,31 @@ def test_native_decode_matches_pytorch_tiny(tiny_dir: Path,
     assert_same_greedy(native, ref, atol=1e-4)
 
 
-def test_native_decode_large_int8_batch_matches_pytorch(tiny_model_dir: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    # 20 sequences: decode steps of >= bf16_min_rows rows, where quantized layers switch to
-    # their bf16 path (on CPUs with AVX512-BF16), inside the native step and the modules
-    # alike; the native step's workspace grows to 20 rows and shrinks back as batches do.
-    llm = LLM(tiny_model_dir, quantization="int8", enable_prefix_caching=False)
+@pytest.mark.parametrize(("quantization", "count", "atol"),
+                         [("int8", 20, 5e-2), ("none", 64, 1e-4)], ids=["int8-20", "fp32-64"])
+def test_native_steps_large_batches_match_pytorch(tiny_model_dir: Path, quantization: str,
+                                                  count: int, atol: float,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every step through the native decoder, prefill included: int8 with 20 sequences
+    # (steps of >= BF16_MIN_ROWS rows, where quantized layers take their bf16 path on CPUs
+    # with AVX512-BF16), fp32 with 64 (the engine's most; prefill steps of more than 64
+    # tokens run oneDNN's fp32 GEMM). The workspace grows and shrinks with the batches.
+    llm = LLM(tiny_model_dir, quantization=quantization, enable_prefix_caching=False)
     runner = llm.engine.runner
-    assert runner.decoder is not None
-    prompts = random_prompts(PROMPT_LENS * 3 + [3, 30], llm.engine.model_config.vocab_size, 4)
+    assert runner.decoder is not None and runner.native_prefill
+    lens = [*(PROMPT_LENS * 12)[: count - 2], 3, 30]
+    prompts = random_prompts(lens, llm.engine.model_config.vocab_size, 4)
     params = [SamplingParams(max_tokens=8 + 2 * (i % 5), temperature=0, ignore_eos=True,
                              logprobs=0) for i in range(len(prompts))]
     sizes = count_native_steps(monkeypatch, runner)
     native = llm.generate(prompts, params)
-    assert max(sizes) == len(prompts) and min(sizes) < 16
+    assert max(sizes) == len(prompts) and min(sizes) < BF16_MIN_ROWS
     use_pytorch_path(monkeypatch, runner)
-    # Same greedy tokens; logprobs within 1e-2, not 1e-4: the two paths' fp32 arithmetic
-    # differs in the last bits (attention, norms), and now and then an activation sitting
-    # on a bf16 rounding boundary rounds the other way, one bf16 step (2^-8) that a 2-layer
-    # model carries to the logits almost whole. A wrong row would be off by O(1).
-    assert_same_greedy(native, llm.generate(prompts, params), atol=1e-2)
+    # Same greedy tokens. fp32: logprobs within 1e-4. int8: within 5e-2, not 1e-4: the
+    # two paths' fp32 arithmetic differs in the last bits (attention, norms), and now and
+    # then an activation on a bf16 rounding boundary rounds the other way, a step of 2^-8
+    # that a 2-layer model carries to the logits almost whole. A wrong row is off by O(1).
+    assert_same_greedy(native, llm.generate(prompts, params), atol=atol)
 
 
 # -- 6. the default model -------------------------------------------------------------------
@@ -594,7 +612,7 @@ def test_native_step_logits_match_linear_reference(tiny_dir: Path, quantization:
 
     with torch.inference_mode():
         restore()
-        native = runner.decoder.logits(runner._native_decode(sched))  # what execute() runs
+        native = runner.decoder.logits(runner._native_step(sched))  # what execute() runs
         restore()
         replaced = use_linear_reference(model, monkeypatch)
         assert replaced >= 4 * model.config.num_layers

@@ -4,6 +4,7 @@ decides who runs."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +13,7 @@ from kvloop import kernels
 from kvloop.batch import ScheduledSeq, SchedulerOutput
 from kvloop.models import AttentionMetadata, LlamaForCausalLM, PrefillSegment
 from kvloop.models.attention import causal_prefix_mask, flat_kv_index
-from kvloop.models.native import build_native_decoder
+from kvloop.models.native import build_native_decoder, native_prefill_ready
 from kvloop.params import SamplingParams
 from kvloop.sampling import Sampler, SamplingRow
 
@@ -68,11 +69,13 @@ class ModelRunner:
         # The native paged-attention kernel (built once, cached); the PyTorch gather + SDPA
         # path is the fallback and the reference it is tested against.
         self.use_kernels = use_cache and use_kernels and kernels.available()
-        # The native decode step (all layers in one C++ call) for decode-only steps of up
-        # to native_max_rows sequences; larger batches are compute-bound GEMMs, where the
-        # modules' oneDNN / PyTorch kernels are faster.
+        # The native step (all layers in one C++ call). Where every layer has a oneDNN
+        # path for large inputs (native_prefill_ready) it serves every step, prefill
+        # included; otherwise decode-only steps of up to native_max_rows sequences, and
+        # larger batches stay on the modules' GEMMs.
         self.decoder = build_native_decoder(model) if self.use_kernels else None
         self.native_max_rows = NATIVE_MAX_ROWS
+        self.native_prefill = self.decoder is not None and native_prefill_ready(model)
         self._generators: dict[str, torch.Generator] = {}
 
     # -- per-request state ------------------------------------------------------------------
@@ -101,10 +104,9 @@ class ModelRunner:
             self._generators.pop(rid, None)
         self.copy_blocks(sched.blocks_to_copy)
         seqs = sched.decodes + sched.prefills
-        if (self.decoder is not None and not sched.prefills
-                and 0 < len(sched.decodes) <= self.native_max_rows):
-            hidden = self._native_decode(sched)  # [B, hidden]
-            num_tokens = len(sched.decodes)
+        if self._use_native(sched):
+            hidden = self._native_step(sched)  # [T, hidden]
+            num_tokens = sum(s.num_tokens for s in seqs)
         else:
             hidden, num_tokens = self._forward(sched)  # [T, hidden]
 
@@ -149,20 +151,34 @@ class ModelRunner:
         hidden = self.model(input_ids, pos, meta, self.kv_caches)  # [T, hidden]
         return hidden, len(token_ids)
 
-    def _native_decode(self, sched: SchedulerOutput) -> torch.Tensor:  # [B, hidden]
-        """One token per sequence through the C++ decoder: all layers in one call."""
+    def _use_native(self, sched: SchedulerOutput) -> bool:
+        if self.decoder is None or not sched.use_cache or not (sched.decodes or sched.prefills):
+            return False
+        if self.native_prefill:
+            return True
+        return not sched.prefills and len(sched.decodes) <= self.native_max_rows
+
+    def _native_step(self, sched: SchedulerOutput) -> torch.Tensor:  # [T, hidden]
+        """The step's tokens through the C++ decoder: all layers in one call. Decode rows
+        are one token each; a prefill's rows are the chunk's positions."""
         assert self.decoder is not None and self.kv_caches is not None
         bs = self.block_size
-        ids, pos, slots, ctx = [], [], [], []
-        for s in sched.decodes:
-            p = s.start_pos
-            ids.append(s.token_ids[0])
-            pos.append(p)
-            slots.append(s.block_ids[p // bs] * bs + p % bs)
-            ctx.append(s.context_len)
+        seqs = sched.decodes + sched.prefills
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for s in seqs:
+            ids.extend(s.token_ids)
+            span = range(s.start_pos, s.context_len)
+            pos.extend(span)
+            slots.extend(s.block_ids[p // bs] * bs + p % bs for p in span)
+        # None for a decode-only step: one row per sequence.
+        query_start = (torch.tensor([0, *itertools.accumulate(s.num_tokens for s in seqs)])
+                       if sched.prefills else None)
         return self.decoder.forward(  # type: ignore[no-any-return]
             torch.tensor(ids), torch.tensor(pos), self.kv_caches, torch.tensor(slots),
-            padded_block_tables(sched.decodes), torch.tensor(ctx), bs)
+            padded_block_tables(seqs), torch.tensor([s.context_len for s in seqs]), bs,
+            query_start)
 
     def _metadata(self, sched: SchedulerOutput, pos: torch.Tensor) -> AttentionMetadata:
         meta = AttentionMetadata(num_decodes=len(sched.decodes))

@@ -46,7 +46,7 @@ def linear_reference(x: torch.Tensor, kind: int, weight: torch.Tensor, in_featur
                      scales: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                      float_acts: bool = False, bf16: bool = False) -> torch.Tensor:
     """What the kernel computes, in float64 sums: [M, K] -> [M, N]. bf16: the batched path
-    of a layer given bf16 weights (set_bf16): x and w rounded to bf16, the sum to bf16."""
+    of a quantized layer (``set_batched``): x and w rounded to bf16, the sum to bf16."""
     if bf16:
         w = dequantize(kind, weight, in_features, scales).to(torch.bfloat16).double()
         y = (x.to(torch.bfloat16).double() @ w.T).to(torch.bfloat16).double()
@@ -75,7 +75,7 @@ def native_linear(kind: int, weight: torch.Tensor, in_features: int,
 
 def packed_bf16(weight: torch.Tensor) -> torch.Tensor:
     """fp32 [N, K] weights rounded to bf16 and prepacked for oneDNN: what a quantized
-    layer's ``set_bf16`` takes for its batched path."""
+    layer's ``set_batched`` takes."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), None)
 
 

@@ -13,6 +13,7 @@ import torch
 
 from kvloop import kernels
 from kvloop.kernels.linear import native_linear, packed_bf16
+from kvloop.models.linear import Linear
 from kvloop.models.llama import DecoderLayer, LlamaForCausalLM
 from kvloop.quant import Int4Linear, Int8Linear
 from kvloop.quant.layout import F32, Q8
@@ -30,6 +31,13 @@ def native_linear_of(module: object, float_acts: bool = False) -> Any:
                          float_acts=float_acts and kind == Q8)
 
 
+# Batches from this many rows run a quantized layer's bf16 copy (see attach_native_linears).
+BF16_MIN_ROWS = 16
+# fp32 layers: decode batches up to 64 rows keep the native kernels (measured faster than
+# oneDNN there), prefill-sized inputs run oneDNN's packed fp32 GEMM, as the modules do.
+FP32_BATCHED_MIN_ROWS = 65
+
+
 def bf16_gemm_fast() -> bool:
     """Whether this CPU has bf16 dot products (AVX512-BF16), which oneDNN's bf16 GEMM uses:
     ~2.3x the fp32 rate here. Without them bf16 is emulated, slower than the int8 kernels."""
@@ -42,7 +50,7 @@ def attach_native_linears(model: LlamaForCausalLM) -> None:
     prefill included; int4: decode-sized inputs, or every size with the bf16 copy).
 
     Where bf16 GEMMs are fast, each layer also gets a bf16 copy of its weights (2 bytes a
-    weight) for batches of ``bf16_min_rows`` rows or more: prefill and large decode
+    weight) for batches of ``BF16_MIN_ROWS`` rows or more: prefill and large decode
     batches are compute-bound, and there the bf16 GEMM is ~2x faster. Its activations are
     rounded to bf16, finer than the int8 kernels' per-block rounding; the head's output
     (the logits) too, a step of 2^-8 of the logit, below the int8 weights' own error
@@ -53,7 +61,29 @@ def attach_native_linears(model: LlamaForCausalLM) -> None:
         if isinstance(module, Int8Linear | Int4Linear):
             module.native = native_linear_of(module, float_acts=module is model.lm_head)
             if wide:
-                module.native.set_bf16(packed_bf16(module.dequantize()))
+                module.native.set_batched(packed_bf16(module.dequantize()), BF16_MIN_ROWS)
+
+
+def native_prefill_ready(model: LlamaForCausalLM) -> bool:
+    """Whether prefill-sized inputs through the native decoder run GEMMs at least as fast as
+    the modules': every layer but the head (only sampled rows reach it) has oneDNN's path
+    for large inputs (fp32 packed, or a quantized layer's bf16 copy), or is int8, whose
+    native kernel the modules use at every size anyway. Call after attach_native_linears."""
+    head = model.lm_head
+    for m in model.modules():
+        if m is head:
+            continue
+        if isinstance(m, Int8Linear):
+            ok = m.native is not None
+        elif isinstance(m, Int4Linear):
+            ok = m.native is not None and m.native.batched_min_rows > 0
+        elif isinstance(m, Linear):
+            ok = m.packed is not None
+        else:
+            continue
+        if not ok:
+            return False
+    return True
 
 
 def build_native_decoder(model: LlamaForCausalLM) -> Any | None:
@@ -71,7 +101,13 @@ def build_native_decoder(model: LlamaForCausalLM) -> Any | None:
     attach_native_linears(model)
 
     def native(module: object) -> Any:
-        return getattr(module, "native", None) or native_linear_of(module)
+        lin = getattr(module, "native", None)
+        if lin is None:  # fp32: the kernel over the dense weight, oneDNN's for prefill
+            lin = native_linear_of(module)
+            packed = getattr(module, "packed", None)
+            if packed is not None:
+                lin.set_batched(packed, FP32_BATCHED_MIN_ROWS)
+        return lin
 
     # A tied head whose dense copy was dropped reads the embedding table, the same matrix.
     # An int8 head keeps fp32 activations: rounding its input to int8 moved the first

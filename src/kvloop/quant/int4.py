@@ -100,8 +100,9 @@ class Int4Linear(nn.Module):
         return (g * s[..., None] + m[..., None]).view(self.out_features, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
-        if self.native is not None and (x.shape[0] <= NATIVE_MAX_ROWS or self.native.has_bf16):
-            return self.native.forward(x)  # type: ignore[no-any-return]
+        native = self.native
+        if native is not None and (x.shape[0] <= NATIVE_MAX_ROWS or native.batched_min_rows):
+            return native.forward(x)  # type: ignore[no-any-return]
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), self.packed, GROUP_SIZE, self.scales_zeros)
         y = y.float()

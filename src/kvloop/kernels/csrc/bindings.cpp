@@ -46,9 +46,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("scales") = py::none(), py::arg("bias") = py::none(),
            py::arg("float_acts") = false)
       .def_readonly("float_acts", &QLinear::float_acts)
-      .def("set_bf16", &QLinear::set_bf16, py::arg("weight"))
-      .def_property_readonly("has_bf16", [](const QLinear& l) { return l.bf16.defined(); })
-      .def_readonly_static("bf16_min_rows", &QLinear::kBf16MinRows)
+      .def("set_batched", &QLinear::set_batched, py::arg("weight"), py::arg("min_rows"))
+      .def_readonly("batched_min_rows", &QLinear::batched_min_rows)
       .def("forward", &QLinear::forward, Release())
       .def_readonly("out_features", &QLinear::out_features)
       .def_readonly("in_features", &QLinear::in_features)
@@ -58,7 +57,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor,
                     at::Tensor, std::shared_ptr<QLinear>>())
       .def("add_layer", &Decoder::add_layer)
-      .def("forward", &Decoder::forward, Release())
+      .def("forward", &Decoder::forward, py::arg("token_ids"), py::arg("positions"),
+           py::arg("kv_caches"), py::arg("slot_mapping"), py::arg("block_tables"),
+           py::arg("context_lens"), py::arg("block_size"), py::arg("query_start") = py::none(),
+           Release())
       .def("logits", &Decoder::logits, Release())
       .def_property_readonly("num_layers", &Decoder::num_layers);
 }

@@ -3,6 +3,7 @@
 
 #include "kvloop.h"
 
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
@@ -89,7 +90,8 @@ void Decoder::add_layer(at::Tensor attn_norm, std::shared_ptr<QLinear> qkv,
 at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& positions_,
                             const std::vector<at::Tensor>& kv_caches,
                             const at::Tensor& slot_mapping_, const at::Tensor& block_tables,
-                            const at::Tensor& context_lens, int64_t block_size) const {
+                            const at::Tensor& context_lens, int64_t block_size,
+                            const std::optional<at::Tensor>& query_start) const {
   const auto ids_t = token_ids_.to(at::kLong).contiguous();
   const auto pos_t = positions_.to(at::kLong).contiguous();
   const auto slot_t = slot_mapping_.to(at::kLong).contiguous();
@@ -109,20 +111,37 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
   // raises with the KV cache untouched.
   const auto tables_t = block_tables.to(at::kLong).contiguous();
   const auto ctx_t = context_lens.to(at::kLong).contiguous();
-  TORCH_CHECK(tables_t.dim() == 2 && tables_t.size(0) == M && ctx_t.numel() == M,
+  TORCH_CHECK(tables_t.dim() == 2 && ctx_t.dim() == 1 && ctx_t.numel() == tables_t.size(0),
+              "one block-table row and one context length per sequence");
+  const int64_t N = tables_t.size(0);  // sequences
+  // Row offsets of each sequence's tokens; none: one token per sequence (decode).
+  const auto qstart_t = query_start.has_value() ? query_start->to(at::kLong).contiguous()
+                                                : at::arange(N + 1, at::kLong);
+  TORCH_CHECK(query_start.has_value() || N == M,
               "one block-table row and one context length per token");
+  TORCH_CHECK(qstart_t.dim() == 1 && qstart_t.numel() == N + 1, "query_start must be [N + 1]");
+  const int64_t* qs = qstart_t.data_ptr<int64_t>();
+  TORCH_CHECK(qs[0] == 0 && qs[N] == M, "query_start must run from 0 to the number of tokens");
   const int64_t* ctx = ctx_t.data_ptr<int64_t>();
   const int64_t* tables = tables_t.data_ptr<int64_t>();
   const int64_t max_blocks = tables_t.size(1);
   TORCH_CHECK(block_size > 0, "block_size must be positive");
-  for (int64_t m = 0; m < M; ++m) {
-    TORCH_CHECK(ctx[m] == pos[m] + 1, "row ", m, ": context length ", ctx[m],
-                " != position + 1 (a decode step appends one token)");
-    TORCH_CHECK(ctx[m] <= max_blocks * block_size, "row ", m, ": context exceeds its block table");
-    TORCH_CHECK(tables[m * max_blocks + pos[m] / block_size] * block_size + pos[m] % block_size ==
-                    slot[m],
-                "row ", m, ": slot ", slot[m], " is not the block table's slot for position ",
-                pos[m]);
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t L = qs[n + 1] - qs[n];
+    TORCH_CHECK(L >= 1, "sequence ", n, ": no tokens (query_start must increase)");
+    TORCH_CHECK(ctx[n] <= max_blocks * block_size, "sequence ", n,
+                ": context exceeds its block table");
+    // A sequence's tokens are the last L positions of its context, in order.
+    for (int64_t m = qs[n]; m < qs[n + 1]; ++m) {
+      const int64_t want = ctx[n] - L + (m - qs[n]);
+      TORCH_CHECK(pos[m] == want, "row ", m, ": context length ", ctx[n],
+                  " != position + 1 (a decode step appends one token)", L > 1 ? " or" : "",
+                  L > 1 ? " not the sequence's next position" : "");
+      TORCH_CHECK(tables[n * max_blocks + pos[m] / block_size] * block_size +
+                          pos[m] % block_size == slot[m],
+                  "row ", m, ": slot ", slot[m], " is not the block table's slot for position ",
+                  pos[m]);
+    }
   }
   // All layers' caches have one shape, so the slots and block ids are checked once.
   for (const auto& c : kv_caches)
@@ -133,12 +152,12 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
                 "of one shape");
   const int64_t num_slots = kv_caches.empty() ? 0 : kv_caches.front().size(2);
   const int64_t blocks_avail = num_slots / block_size;
-  for (int64_t m = 0; m < M; ++m) {
+  for (int64_t m = 0; m < M; ++m)
     TORCH_CHECK(slot[m] >= 0 && slot[m] < num_slots, "slot ", slot[m], " out of range");
-    for (int64_t b = 0; b * block_size < ctx[m]; ++b)
-      TORCH_CHECK(tables[m * max_blocks + b] >= 0 && tables[m * max_blocks + b] < blocks_avail,
-                  "row ", m, ": block id ", tables[m * max_blocks + b], " out of range");
-  }
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t b = 0; b * block_size < ctx[n]; ++b)
+      TORCH_CHECK(tables[n * max_blocks + b] >= 0 && tables[n * max_blocks + b] < blocks_avail,
+                  "sequence ", n, ": block id ", tables[n * max_blocks + b], " out of range");
 
   const std::lock_guard<std::mutex> guard(mu_);
   Workspace& ws = workspace(M);
@@ -150,8 +169,8 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
   float *h = ws.h.data(), *qkv = ws.qkv.data(), *delta = ws.delta.data(), *q = ws.q.data(),
         *o = ws.o.data();
   // Every layer's cache has the shape checked above: one attention plan serves them all.
-  const AttentionPlan attention(M, Hq, Hkv, D, num_slots, tables_t, std::nullopt, ctx_t,
-                                block_size, 1.0 / std::sqrt(static_cast<double>(D)));
+  const AttentionPlan attention(M, Hq, Hkv, D, num_slots, tables_t, qstart_t, ctx_t, block_size,
+                                1.0 / std::sqrt(static_cast<double>(D)));
   const float* cos = cos_.data_ptr<float>();
   const float* sin = sin_.data_ptr<float>();
 

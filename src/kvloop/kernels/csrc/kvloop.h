@@ -64,7 +64,7 @@ struct QuantizedActs {
   std::vector<float> d;   // [M, K / 32]  scale: x ~= d * q
   std::vector<float> s;   // [M, K / 32]  d * sum(q) of the block
   std::vector<float> ssum;  // [M]        sum of the row's s (int8 weights, VNNI path)
-  at::Tensor xb;  // bf16 input of the batched path (QLinear::set_bf16)
+  at::Tensor xb;  // bf16 input of the batched path (QLinear::set_batched)
 };
 
 constexpr int64_t kMaxGroups = 2048;  // int4: in_features up to 65536
@@ -85,14 +85,16 @@ struct QLinear {
   int64_t out_features = 0, in_features = 0;
   at::Tensor weight, scales;
   std::optional<at::Tensor> bias;
-  // Optional bf16 [N, K] copy of the weights as the layout decodes them (w rounded to
-  // bf16, prepacked for oneDNN), for batches of at least kBf16MinRows rows: there the
-  // step is compute-bound, and oneDNN's bf16 GEMM (AVX512-BF16 dot products, fp32 sums)
-  // runs at ~2.3x this CPU's fp32 rate, where the int8 kernels, which must scale every
-  // 32-wide block, run at ~1.2x. Below, the int8 kernels read 2-4x fewer bytes and win.
-  at::Tensor bf16;
-  static constexpr int64_t kBf16MinRows = 16;
-  static constexpr int64_t kBf16ChunkRows = 128;
+  // Optional oneDNN-prepacked [N, K] copy of the weights for batches of at least
+  // batched_min_rows rows (prefill, large decode batches: compute-bound GEMMs). For
+  // quantized kinds it is bf16 (w as the layout decodes it, rounded): oneDNN's bf16 GEMM
+  // (AVX512-BF16 dot products, fp32 sums) runs at ~2.3x this CPU's fp32 rate, where the
+  // int8 kernels, which must scale every 32-wide block, run at ~1.2x; below that size the
+  // int8 kernels read 2-4x fewer bytes and win. For fp32 it is the same fp32 weights in
+  // oneDNN's blocked layout (what the PyTorch modules run).
+  at::Tensor batched;
+  int64_t batched_min_rows = 0;
+  static constexpr int64_t kBatchedChunkRows = 128;
 
   QLinear(int64_t kind, at::Tensor weight, int64_t in_features,
           std::optional<at::Tensor> scales, std::optional<at::Tensor> bias,
@@ -106,10 +108,10 @@ struct QLinear {
   void apply(const float* x, int64_t M, QuantizedActs& acts, float* y) const;
   at::Tensor forward(const at::Tensor& x) const;  // [M, K] -> [M, N], for Python and tests
   int64_t weight_bytes() const;
-  void set_bf16(const at::Tensor& w);  // the batched path's weights (see `bf16`)
+  void set_batched(const at::Tensor& w, int64_t min_rows);  // see `batched`
 
  private:
-  void run_bf16(const float* x, int64_t M, QuantizedActs& scratch, float* y) const;
+  void run_batched(const float* x, int64_t M, QuantizedActs& scratch, float* y) const;
 };
 
 void quantize_acts(const float* x, int64_t M, int64_t K, QuantizedActs& out);
@@ -122,7 +124,9 @@ std::vector<at::Tensor> quantize_acts_tensor(const at::Tensor& x);
 // fused QKV, rotary embedding, K/V written into the paged cache, paged attention, output
 // projection, RMSNorm, fused gate/up, SiLU x up, down projection, residuals; final norm.
 // Python dispatch of ~15 small ops per layer costs more than the arithmetic at batch 1,
-// so decode steps run here; prefill stays on the PyTorch modules (compute-bound GEMMs).
+// so decode steps run here; so do prefill steps, whose GEMMs go to oneDNN (the layers'
+// batched weights) and whose elementwise work (norms, rope, SiLU, residuals, K/V writes)
+// costs less fused here than as separate PyTorch ops over [tokens, hidden] tensors.
 class Decoder {
  public:
   Decoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
@@ -131,12 +135,16 @@ class Decoder {
   void add_layer(at::Tensor attn_norm, std::shared_ptr<QLinear> qkv,
                  std::shared_ptr<QLinear> o_proj, at::Tensor mlp_norm,
                  std::shared_ptr<QLinear> gate_up, std::shared_ptr<QLinear> down);
-  // token_ids, positions, slot_mapping, context_lens: [M] int64; block_tables [M, max_blocks]
-  // int64; one [2, Hkv, slots, D] fp32 cache per layer. Returns final-normed [M, hidden].
+  // token_ids, positions, slot_mapping: [M] int64, one per token; block_tables
+  // [N, max_blocks] and context_lens [N] int64, one per sequence; query_start [N + 1]: the
+  // sequences' rows (None: one token each, a decode step, N == M). A sequence's rows are
+  // the last positions of its context (prefill chunks after a cached prefix included).
+  // One [2, Hkv, slots, D] fp32 cache per layer. Returns final-normed [M, hidden].
   at::Tensor forward(const at::Tensor& token_ids, const at::Tensor& positions,
                      const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
                      const at::Tensor& block_tables, const at::Tensor& context_lens,
-                     int64_t block_size) const;
+                     int64_t block_size,
+                     const std::optional<at::Tensor>& query_start = std::nullopt) const;
   at::Tensor logits(const at::Tensor& hidden) const;  // [N, hidden] -> [N, vocab]
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 

@@ -408,7 +408,7 @@ QLinear::QLinear(int64_t kind_, at::Tensor weight_, int64_t in_features_,
   }
 }
 
-int64_t QLinear::weight_bytes() const {  // what a decode step (< kBf16MinRows) reads
+int64_t QLinear::weight_bytes() const {  // what a decode step (< batched_min_rows) reads
   int64_t n = weight.numel() * weight.element_size();
   if (scales.defined()) n += scales.numel() * 4;
   if (bias.has_value()) n += bias->numel() * 4;
@@ -453,13 +453,17 @@ at::Tensor QLinear::forward(const at::Tensor& x_) const {
   return y;
 }
 
-void QLinear::set_bf16(const at::Tensor& w) {
-  TORCH_CHECK(kind != WeightKind::F32, "the bf16 batched path is for quantized weights");
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.size(0) == out_features &&
+void QLinear::set_batched(const at::Tensor& w, int64_t min_rows) {
+  const auto want = kind == WeightKind::F32 ? at::kFloat : at::kBFloat16;
+  TORCH_CHECK(w.scalar_type() == want && w.dim() == 2 && w.size(0) == out_features &&
                   w.size(1) == in_features && w.is_mkldnn(),
-              "the bf16 weight must be a [", out_features, ", ", in_features,
-              "] bf16 tensor prepacked by torch.ops.mkldnn._reorder_linear_weight");
-  bf16 = w;
+              "the batched weight must be a [", out_features, ", ", in_features, "] ",
+              c10::toString(want),
+              " tensor prepacked by torch.ops.mkldnn._reorder_linear_weight (bf16 for "
+              "quantized weights, fp32 for fp32 ones)");
+  TORCH_CHECK(min_rows >= 1, "min_rows must be >= 1");
+  batched = w;
+  batched_min_rows = min_rows;
 }
 
 namespace {
@@ -483,20 +487,31 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
 }
 }  // namespace
 
-void QLinear::run_bf16(const float* x, int64_t M, QuantizedActs& scratch, float* y) const {
+void QLinear::run_batched(const float* x, int64_t M, QuantizedActs& scratch, float* y) const {
   const int64_t N = out_features, K = in_features;
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const bool bf16 = batched.scalar_type() == at::kBFloat16;
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
   // Row chunks: oneDNN's prepacked bf16 GEMM measured fastest at ~128 rows a call here
   // (~420 GFLOP/s; at 512 rows ~230).
-  for (int64_t m0 = 0; m0 < M; m0 += kBf16ChunkRows) {
-    const int64_t rows = std::min(kBf16ChunkRows, M - m0);
-    auto xb = grow(scratch.xb, rows * K, at::kBFloat16).narrow(0, 0, rows * K).view({rows, K});
-    xb.copy_(at::from_blob(const_cast<float*>(x + m0 * K), {rows, K},
-                           at::TensorOptions().dtype(at::kFloat)));
-    const at::Tensor yb = onednn_linear(xb, bf16);  // [rows, N] bf16, fp32 sums inside
-    // bf16 -> fp32 is the 16 bits shifted up; the bias is added in fp32.
-    const uint16_t* src = reinterpret_cast<const uint16_t*>(yb.data_ptr());
+  for (int64_t m0 = 0; m0 < M; m0 += kBatchedChunkRows) {
+    const int64_t rows = std::min(kBatchedChunkRows, M - m0);
+    at::Tensor xin = at::from_blob(const_cast<float*>(x + m0 * K), {rows, K}, f32);
+    if (bf16) {
+      auto xb = grow(scratch.xb, rows * K, at::kBFloat16).narrow(0, 0, rows * K);
+      xin = xb.view({rows, K}).copy_(xin);
+    }
+    const at::Tensor out = onednn_linear(xin, batched);  // [rows, N], fp32 sums inside
     float* dst = y + m0 * N;
+    if (!bf16) {
+      std::memcpy(dst, out.data_ptr<float>(), rows * N * sizeof(float));
+      if (b != nullptr)
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t n = 0; n < N; ++n) dst[r * N + n] += b[n];
+      continue;
+    }
+    // bf16 -> fp32 is the 16 bits shifted up; the bias is added in fp32.
+    const uint16_t* src = reinterpret_cast<const uint16_t*>(out.data_ptr());
     at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
         for (int64_t n = 0; n < N; ++n) {
@@ -510,8 +525,8 @@ void QLinear::run_bf16(const float* x, int64_t M, QuantizedActs& scratch, float*
 }
 
 void QLinear::apply(const float* x, int64_t M, QuantizedActs& acts, float* y) const {
-  if (bf16.defined() && M >= kBf16MinRows) {
-    run_bf16(x, M, acts, y);
+  if (batched.defined() && M >= batched_min_rows) {
+    run_batched(x, M, acts, y);
   } else if (quantized()) {
     quantize_acts(x, M, in_features, acts);
     run(nullptr, &acts, M, y);
