@@ -1,7 +1,10 @@
-"""Where a batch-1 decode step's time goes, on the default model.
+"""Where a decode step's time goes, on the default model.
 
     python benchmarks/profile_decode.py [--quantization none|int8|int4] [--pytorch]
-                                        [--write BENCHMARKS.md]
+                                        [--batch B --prompt N] [--write BENCHMARKS.md]
+
+--batch B: B requests decoding together (their N-token prompts prefilled in one step, not
+counted), as in the 32-request row of bench_all.py (--batch 32 --prompt 64).
 
 Native path (the default, what kvloop runs): wall-clock timers around the pieces of each
 engine step: the C++ decode step (split into its linear layers, timed alone on the same
@@ -64,14 +67,16 @@ class _Timed:
         return self._run("logits", self.target.logits, *a)
 
 
-def linear_ms(model: Any, runs: int = 20) -> float:
-    """The decode step's linear layers (head excluded) alone, batch 1, median ms."""
+def linear_ms(model: Any, rows: int, runs: int = 20) -> float:
+    """The decode step's linear layers (head excluded) alone, `rows` rows, median ms: the
+    kernels the step runs (a quantized layer's own, with its bf16 copy if it has one)."""
     from kvloop.models.native import native_linear_of
 
-    layers = [native_linear_of(m) for layer in model.layers for m in (
-        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-        layer.mlp.down_proj)]
-    xs = {lin.in_features: torch.randn(1, lin.in_features) for lin in layers}
+    layers = [getattr(m, "native", None) or native_linear_of(m)
+              for layer in model.layers for m in (
+                  layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                  layer.mlp.down_proj)]
+    xs = {lin.in_features: torch.randn(rows, lin.in_features) for lin in layers}
     times = []
     for _ in range(runs):
         t = time.perf_counter()
@@ -90,8 +95,13 @@ def native(args: argparse.Namespace) -> str:
     dec, sampler = _Timed(runner.decoder), _Timed(runner.sampler)
     runner.decoder, runner.sampler = dec, sampler  # type: ignore[assignment]
     eng = llm.engine
-    eng.add_request(None, prompt_ids(llm.tokenizer, 128, 1), params)
-    eng.step()  # the prefill, not counted
+    B, N = args.batch, args.prompt
+    if eng.config.max_num_batched_tokens < B * N:
+        raise SystemExit(f"--batch x --prompt must fit one step's token budget "
+                         f"({eng.config.max_num_batched_tokens})")
+    for i in range(B):
+        eng.add_request(None, prompt_ids(llm.tokenizer, N, 1 + i), params)
+    eng.step()  # every prefill, not counted
     dec.seconds.clear()
     sampler.seconds.clear()
     steps = 0
@@ -103,7 +113,7 @@ def native(args: argparse.Namespace) -> str:
     fwd = dec.seconds["forward"] / steps * 1e3
     head = dec.seconds["logits"] / steps * 1e3
     samp = sampler.seconds["call"] / steps * 1e3
-    lin = min(linear_ms(eng.model), fwd)
+    lin = min(linear_ms(eng.model, B), fwd)
     rows = [
         ("linear layers, 30 x (qkv, o, gate/up, down) (C++)", lin),
         ("attention, norms, rope, SiLU, cache writes (C++, the step minus its linears)",
@@ -114,16 +124,26 @@ def native(args: argparse.Namespace) -> str:
          wall_ms - fwd - head - samp),
     ]
     mb = eng.model.decode_read_bytes() / 1e6
+    flags = f" --batch {B} --prompt {N}" if B > 1 else ""
+    what = ("batch-1 decode step" if B == 1 else f"decode step of {B} sequences")
+    if B == 1:
+        rate = (f"{wall_ms:.2f} ms per token ({1e3 / wall_ms:.1f} tok/s); {mb:.0f} MB of "
+                f"weights per step, so the linear layers and head together read at "
+                f"{mb / (lin + head):.1f} GB/s.")
+    else:
+        flop = 2 * B * sum(m.in_features * m.out_features for m in eng.model.modules()
+                           if hasattr(m, "native_spec"))  # every linear layer, head included
+        rate = (f"{wall_ms:.2f} ms per step, {B * 1e3 / wall_ms:.0f} generated tok/s; the "
+                f"linear layers and head do {flop / 1e9:.1f} GFLOP a step, at "
+                f"{flop / (lin + head) / 1e6:.0f} GFLOP/s.")
     lines = [
-        f"## Where a batch-1 decode step goes ({args.quantization}, native path)",
+        f"## Where a {what} goes ({args.quantization}, native path)",
         "",
-        f"`python benchmarks/profile_decode.py --quantization {args.quantization}` on "
-        f"{machine_line()}; {steps} engine steps at 128-{128 + steps} tokens of context, "
-        f"wall-clock timers around each piece. {wall_ms:.2f} ms per token "
-        f"({1e3 / wall_ms:.1f} tok/s); {mb:.0f} MB of weights per step, so the linear "
-        f"layers and head together read at {mb / (lin + head):.1f} GB/s.",
+        f"`python benchmarks/profile_decode.py --quantization {args.quantization}{flags}` on "
+        f"{machine_line()}; {steps} engine steps at {N}-{N + steps} tokens of context, "
+        f"wall-clock timers around each piece. {rate}",
         "",
-        "| part | ms per token | share |",
+        "| part | ms per step | share |",
         "|---|---:|---:|",
     ]
     for name, ms in rows:
@@ -187,13 +207,16 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quantization", default="none")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoding together")
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per sequence")
     ap.add_argument("--pytorch", action="store_true",
                     help="profile the PyTorch modules instead of the native decode step")
     ap.add_argument("--write", type=Path, default=None)
     args = ap.parse_args()
     kind = "pytorch" if args.pytorch else "native"
     publish(pytorch(args) if args.pytorch else native(args), args.write,
-            f"profile-decode-{kind}-{args.quantization}")
+            f"profile-decode-{kind}-{args.quantization}"
+            + (f"-b{args.batch}" if args.batch > 1 else ""))
 
 
 if __name__ == "__main__":

@@ -92,11 +92,12 @@ def main() -> None:
         "mean |logit - fp32 logit| over its positions, and how many of the first "
         f"{AGREE_TOKENS} greedy tokens of 8 chat replies equal fp32's (median, min). int4 "
         "takes the GGUF's Q4_1 blocks as stored; its output head is int8. Each text is "
-        "scored twice: in one 256-token prefill pass (the PyTorch modules; int8 layers run "
-        "the native kernel, int4 layers above 64 rows PyTorch's with bf16 activations) and "
-        "one decode step per position through the native decoder (quantized layers round "
-        "activations to int8 per block of 32, as llama.cpp does; the head keeps fp32 "
-        "activations), the path generated tokens take.",
+        "scored twice: in one 256-token prefill pass (on CPUs with AVX512-BF16, as here, "
+        "quantized layers and the head run such large inputs through a bf16 copy of their "
+        "weights: activations and outputs rounded to bf16; this is also the path of decode "
+        "batches of 16+ sequences) and one decode step per position through the native "
+        "decoder (quantized layers round activations to int8 per block of 32, as llama.cpp "
+        "does; the head keeps fp32 activations), the path of batch-1 generation.",
         "",
         "| weights | MB read per decode step | perplexity, prefill path | perplexity, decode "
         "path | mean abs logit error, prefill / decode path "
