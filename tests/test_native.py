@@ -214,7 +214,8 @@ def test_quantize_acts_random_shapes(M: int, K: int) -> None:
 # -- 2. linear layers ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("N", "K"), [(100, 576), (37, 64), (8, 1536)])
+# K = 96: an odd number of groups (the 4-bit kernel reads groups in pairs).
+@pytest.mark.parametrize(("N", "K"), [(100, 576), (37, 64), (8, 1536), (11, 96)])
 @pytest.mark.parametrize("kind", [F32, Q8, Q4], ids=["f32", "q8", "q4"])
 def test_native_linear_matches_reference(kind: int, N: int, K: int) -> None:
     g = _gen(N * 7 + K + kind)

@@ -64,6 +64,7 @@ struct QuantizedActs {
   std::vector<float> d;   // [M, K / 32]  scale: x ~= d * q
   std::vector<float> s;   // [M, K / 32]  d * sum(q) of the block
   std::vector<float> ssum;  // [M]        sum of the row's s (int8 weights, VNNI path)
+  std::vector<int8_t> qp;   // [M, K]     q with groups in pairs, for 4-bit weights (pair_acts)
   at::Tensor xb;  // bf16 input of the batched path (QLinear::set_batched)
 };
 
@@ -115,6 +116,8 @@ struct QLinear {
 };
 
 void quantize_acts(const float* x, int64_t M, int64_t K, QuantizedActs& out);
+// The order the 4-bit kernel reads activations in (QuantizedActs::qp), from a.q.
+void pair_acts(QuantizedActs& a);
 // Python-facing: (q int8 [M, K], d fp32 [M, K/32]), the exact rounding the kernels use.
 std::vector<at::Tensor> quantize_acts_tensor(const at::Tensor& x);
 

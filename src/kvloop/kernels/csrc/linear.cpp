@@ -233,24 +233,51 @@ void row_q4(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, int6
     }
   }
 #ifdef __AVX2__
-  // Two accumulators per row (even and odd groups) keep enough FMA chains in flight.
+  // Groups in pairs: one 32-byte load holds both groups' codes, and the activations come
+  // in the matching order (A.qp, see pair_acts), so the low nibbles of both groups meet
+  // one 32-byte activation load and the high nibbles the next: one unpack, one convert
+  // and one FMA per 64 weights (lanes 0-3: the first group, 4-7: the second). Two
+  // accumulators per row keep enough FMA chains in flight.
+  const __m256i mask = _mm256_set1_epi8(0x0F);
   __m256 acc0[C], acc1[C];
   for (int c = 0; c < C; ++c) acc0[c] = acc1[c] = _mm256_setzero_ps();
-  auto group = [&](int64_t b, __m256* acc) {
-    const __m256i q = unpack_q4(codes + b * (kGroup / 2));
+  auto pair = [&](int64_t b, __m256* acc) {
+    const __m256i raw =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + b * (kGroup / 2)));
+    const __m256i lo = _mm256_and_si256(raw, mask);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
     for (int c = 0; c < C; ++c) {
-      const __m256i xv = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(A.q.data() + (m0 + c) * K + b * kGroup));
-      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u4(q, xv)),
-                               _mm256_broadcast_ss(&sx[c][b]), acc[c]);
+      const int8_t* xp = A.qp.data() + (m0 + c) * K + b * kGroup;
+      const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
+      const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + kGroup));
+#ifdef KVLOOP_VNNI
+      const __m256i dot = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xa),
+                                              hi, xb);
+#else
+      const __m256i dot = _mm256_add_epi32(dot_u4(lo, xa), dot_u4(hi, xb));
+#endif
+      const __m256 sc = _mm256_set_m128(_mm_set1_ps(sx[c][b + 1]), _mm_set1_ps(sx[c][b]));
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sc, acc[c]);
     }
   };
   int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    group(b, acc0);
-    group(b + 1, acc1);
+  for (; b + 4 <= nb; b += 4) {
+    pair(b, acc0);
+    pair(b + 2, acc1);
   }
-  if (b < nb) group(b, acc0);
+  if (b + 2 <= nb) {
+    pair(b, acc0);
+    b += 2;
+  }
+  if (b < nb) {  // an odd last group: stored in element order in A.qp
+    const __m256i q = unpack_q4(codes + b * (kGroup / 2));
+    for (int c = 0; c < C; ++c) {
+      const __m256i xv = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(A.qp.data() + (m0 + c) * K + b * kGroup));
+      acc1[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u4(q, xv)),
+                                _mm256_broadcast_ss(&sx[c][b]), acc1[c]);
+    }
+  }
   for (int c = 0; c < C; ++c) out[c] += hsum(_mm256_add_ps(acc0[c], acc1[c]));
 #else
   for (int c = 0; c < C; ++c)
@@ -419,6 +446,8 @@ void QLinear::run(const float* x, const QuantizedActs* acts, int64_t M, float* y
   const int64_t N = out_features;
   TORCH_CHECK(!quantized() || (acts != nullptr && acts->M == M && acts->K == in_features),
               "quantized weights need activations quantized for them");
+  TORCH_CHECK(kind != WeightKind::Q4 || static_cast<int64_t>(acts->qp.size()) == M * in_features,
+              "4-bit weights need the activations in pair order (pair_acts)");
   // Activation rows in chunks that stay in L2 while the weights stream past them once
   // per chunk (prefill-sized M); within a chunk each thread takes one contiguous share of
   // the output rows (sequential weight reads).
@@ -529,6 +558,7 @@ void QLinear::apply(const float* x, int64_t M, QuantizedActs& acts, float* y) co
     run_batched(x, M, acts, y);
   } else if (quantized()) {
     quantize_acts(x, M, in_features, acts);
+    if (kind == WeightKind::Q4) pair_acts(acts);
     run(nullptr, &acts, M, y);
   } else {
     run(x, nullptr, M, y);
@@ -584,6 +614,29 @@ void quantize_block(const float* v, int8_t* q, float* d_out, float* s_out) {
   *s_out = d * static_cast<float>(sum);
 }
 }  // namespace
+
+void pair_acts(QuantizedActs& a) {
+  // Per pair of groups (g, g+1), 64 bytes: g[0:16], (g+1)[0:16], g[16:32], (g+1)[16:32],
+  // the order of the low then high nibbles of the pair's 32 code bytes. An odd last group
+  // stays in element order.
+  const int64_t K = a.K, nb = K / kGroup, h = kGroup / 2;
+  a.qp.resize(a.M * K);
+  for (int64_t m = 0; m < a.M; ++m) {
+    const int8_t* src = a.q.data() + m * K;
+    int8_t* dst = a.qp.data() + m * K;
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+      const int8_t* g0 = src + b * kGroup;
+      const int8_t* g1 = g0 + kGroup;
+      int8_t* d = dst + b * kGroup;
+      std::memcpy(d, g0, h);
+      std::memcpy(d + h, g1, h);
+      std::memcpy(d + 2 * h, g0 + h, h);
+      std::memcpy(d + 3 * h, g1 + h, h);
+    }
+    if (b < nb) std::memcpy(dst + b * kGroup, src + b * kGroup, kGroup);
+  }
+}
 
 void quantize_acts(const float* x, int64_t M, int64_t K, QuantizedActs& out) {
   const int64_t nb = K / kGroup;
