@@ -151,13 +151,12 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
                 "each KV cache must be a contiguous float32 [2, Hkv, slots, D] tensor, all "
                 "of one shape");
   const int64_t num_slots = kv_caches.empty() ? 0 : kv_caches.front().size(2);
-  const int64_t blocks_avail = num_slots / block_size;
   for (int64_t m = 0; m < M; ++m)
     TORCH_CHECK(slot[m] >= 0 && slot[m] < num_slots, "slot ", slot[m], " out of range");
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t b = 0; b * block_size < ctx[n]; ++b)
-      TORCH_CHECK(tables[n * max_blocks + b] >= 0 && tables[n * max_blocks + b] < blocks_avail,
-                  "sequence ", n, ": block id ", tables[n * max_blocks + b], " out of range");
+  // The plan checks every block id the step's attention reads (and again the rows and
+  // contexts checked above); every layer then runs it.
+  const AttentionPlan attention(M, Hq, Hkv, D, num_slots, tables_t, qstart_t, ctx_t, block_size,
+                                1.0 / std::sqrt(static_cast<double>(D)));
 
   const std::lock_guard<std::mutex> guard(mu_);
   Workspace& ws = workspace(M);
@@ -168,9 +167,6 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
   const int64_t qkv_n = (Hq + 2 * Hkv) * D;
   float *h = ws.h.data(), *qkv = ws.qkv.data(), *delta = ws.delta.data(), *q = ws.q.data(),
         *o = ws.o.data();
-  // Every layer's cache has the shape checked above: one attention plan serves them all.
-  const AttentionPlan attention(M, Hq, Hkv, D, num_slots, tables_t, qstart_t, ctx_t, block_size,
-                                1.0 / std::sqrt(static_cast<double>(D)));
   const float* cos = cos_.data_ptr<float>();
   const float* sin = sin_.data_ptr<float>();
 
