@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kvloop.kernels.build import native_module as _ext
-from kvloop.quant.layout import F32, GROUP, Q4, Q8, pack_q4, unpack_q4
+from kvloop.quant.layout import F32, GROUP, Q4, Q8, dequantize_q4, pack_q4, unpack_q4
 
 __all__ = ["F32", "Q4", "Q8", "dequantize", "linear_reference", "native_linear", "pack_q4",
            "packed_bf16", "quantize_acts", "quantize_acts_reference", "unpack_q4"]
@@ -37,9 +37,7 @@ def dequantize(kind: int, weight: torch.Tensor, in_features: int,
     if kind == Q8:
         assert scales is not None
         return weight.double() * scales.double()[:, None]
-    codes, s, m = unpack_q4(weight, in_features)
-    g = codes.double().view(codes.shape[0], -1, GROUP)
-    return (g * s.double()[..., None] + m.double()[..., None]).view(codes.shape)
+    return dequantize_q4(weight, in_features, torch.float64)
 
 
 def linear_reference(x: torch.Tensor, kind: int, weight: torch.Tensor, in_features: int,

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvloop.quant.layout import Q4, pack_q4, unpack_q4
+from kvloop.quant.layout import Q4, dequantize_q4, pack_q4
 
 GROUP_SIZE = 32
 # Up to this many rows the native 4-bit kernel runs (decode-sized steps); beyond, PyTorch's
@@ -95,9 +95,7 @@ class Int4Linear(nn.Module):
         return Q4, self.native_packed, self.in_features, None, self.bias
 
     def dequantize(self) -> torch.Tensor:  # [N, K] fp32, as the native kernels decode it
-        codes, s, m = unpack_q4(self.native_packed, self.in_features)
-        g = codes.float().view(self.out_features, -1, GROUP_SIZE)
-        return (g * s[..., None] + m[..., None]).view(self.out_features, self.in_features)
+        return dequantize_q4(self.native_packed, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         native = self.native

@@ -28,3 +28,11 @@ def unpack_q4(packed: torch.Tensor, in_features: int) -> tuple[torch.Tensor, ...
     qs = packed[:, 4 * nb :].reshape(N, nb, GROUP // 2)
     codes = torch.stack([qs & 0x0F, qs >> 4], dim=2).reshape(N, in_features)
     return codes, scales, mins
+
+
+def dequantize_q4(packed: torch.Tensor, in_features: int,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """pack_q4 rows -> the weights they encode, w = scale * code + min, [N, K] in `dtype`."""
+    codes, scales, mins = unpack_q4(packed, in_features)
+    g = codes.to(dtype).view(codes.shape[0], -1, GROUP)
+    return (g * scales.to(dtype)[..., None] + mins.to(dtype)[..., None]).view(codes.shape)
