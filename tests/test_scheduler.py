@@ -45,8 +45,10 @@ def sample_token(req: Request) -> int:
 
 
 def step(sched: Scheduler, skip: frozenset[str] = frozenset()) -> SchedulerOutput:
-    """One engine step: schedule, append a token to each sampled sequence, finish the done."""
+    """One engine step: schedule, commit (the forward returned), append a token to each
+    sampled sequence, finish the done."""
     out = sched.schedule()
+    sched.commit(out)
     done = []
     for seq in out.seqs:
         if seq.sample and seq.request_id not in skip:

@@ -20,12 +20,14 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # The request's own work (or the step it ran in) raised: it ends, the engine goes on.
+    FINISHED_ERROR = "error"
 
     @property
     def finished(self) -> bool:
         return self in (
             RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-            RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR,
         )
 
 
@@ -108,7 +110,8 @@ class Request:
         self.max_model_len = max_model_len
         self.status = RequestStatus.WAITING
         # Tokens whose keys/values are in the KV cache (or, without a cache, that the model
-        # has seen in the current recompute pass). The scheduler advances it.
+        # has seen in the current recompute pass). Advanced only by the scheduler's commit,
+        # after the forward that computed them has returned.
         self.num_computed_tokens = 0
         self.metrics = RequestMetrics(num_prompt_tokens=len(prompt_token_ids))
         self.stop_reason: int | str | None = None

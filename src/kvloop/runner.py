@@ -83,6 +83,10 @@ class ModelRunner:
         self.native_prefill = self.decoder is not None and native_prefill_ready(model)
         self._generators: dict[str, torch.Generator] = {}
 
+    def reset(self) -> None:
+        """Drop all per-request state (the engine forgot its requests)."""
+        self._generators.clear()
+
     # -- per-request state ------------------------------------------------------------------
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator | None:
         if params.seed is None:

@@ -7,6 +7,9 @@ KV cache runs out of blocks, the lowest-priority, newest running request is pree
 blocks are freed and it goes back to the front of the queue, to be recomputed later (its
 generated tokens are kept, so nothing is lost).
 
+Scheduling only proposes: the engine runs the forward, then calls `commit`, which is the
+one place progress (computed tokens, positions processed, prefix-cache hashes) advances.
+
 Why preemption cannot livelock: the victim is always the newest (by priority, then
 arrival) running request, so the oldest one always progresses; a preempted request resumes
 before any later arrival; and no new request is admitted in a step that had to preempt.
@@ -170,6 +173,22 @@ class Scheduler:
         out.blocks_to_copy = self.kv.take_copies()
         return out
 
+    def commit(self, out: SchedulerOutput) -> None:
+        """The step's forward returned: advance each scheduled sequence by the tokens it ran
+        and hash the blocks that became full of computed tokens.
+
+        Only here, after the forward, does progress count. A forward that raises leaves
+        every scheduled request as it was (the engine then fails them), and a block half
+        written by it is never registered as a prefix-cache hit for a later request.
+        """
+        for seq in out.seqs:
+            req = self.requests.get(seq.request_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # finished or aborted since it was scheduled
+            req.num_computed_tokens = seq.context_len
+            req.metrics.positions_processed += seq.num_tokens
+            self.kv.cache_full_blocks(req)
+
     def fork(self, parent: Request, child: Request) -> None:
         """Start `child` as a copy of `parent`'s progress, sharing its KV blocks."""
         self.kv.fork(parent.request_id, child.request_id)
@@ -195,9 +214,6 @@ class Scheduler:
         if seq.sample and req.fork_samples:
             seq.fork_samples = list(req.fork_samples)
         (out.decodes if n == 1 and start > 0 else out.prefills).append(seq)
-        req.num_computed_tokens += n
-        req.metrics.positions_processed += n
-        self.kv.cache_full_blocks(req)
 
     @staticmethod
     def _pick_victim(candidates: list[Request]) -> Request:

@@ -8,8 +8,13 @@ talks to it through a thread-safe inbox and gets outputs back on per-request que
 
 The thread drains the inbox (adds, aborts) between steps, runs `step()` while there is
 work and blocks on the inbox when idle, so concurrent callers join one continuous batch.
-If the loop raises, the engine's state is unknown: every pending request fails with
-EngineDeadError and every later one is refused (a server reports 503).
+
+Failures are contained at three depths. The engine itself fails only the requests whose
+work raised (their streams raise RequestFailedError). Should anything escape the step
+anyway, a supervisor fails the requests in flight, resets the engine's bookkeeping and
+restarts the loop. Only a loop that keeps failing (MAX_RESTARTS within RESTART_WINDOW_S)
+is declared dead: then every pending request fails with EngineDeadError and every later
+one is refused (a server reports 503).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import functools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -34,10 +40,19 @@ logger = logging.getLogger("kvloop.engine")
 # While requests exist but a step scheduled nothing (rare: all waiting on blocks), wait on
 # the inbox this long instead of spinning.
 _IDLE_POLL_S = 0.005
+# The supervisor restarts a failed loop, unless it failed this often within the window:
+# then the failure is not transient and serving 503s is the honest answer.
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 60.0
 
 
 class EngineDeadError(RuntimeError):
     """The engine loop failed (or was shut down); the request cannot be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request failed inside the engine (its step's forward or its own work raised);
+    the engine and every other request go on."""
 
 
 class EngineOverloadedError(RuntimeError):
@@ -190,26 +205,57 @@ class AsyncEngine:
 
     # -- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
-        eng = self.engine
-        try:
-            while True:
-                busy = eng.has_unfinished_requests()
-                if self._apply(self._drain(block=not busy)):
-                    break
-                if not eng.has_unfinished_requests():
-                    continue
-                steps = eng.num_steps
-                outputs = eng.step()
-                self._dispatch(outputs)
-                self._publish()
-                if (eng.num_steps == steps and not outputs
-                        and self._apply(self._drain(block=True, timeout=_IDLE_POLL_S))):
-                    break
-        except BaseException as e:  # any failure leaves the engine in an unknown state
-            logger.exception("engine loop failed; failing all requests")
-            self._fail_all(e)
+        """The supervisor: run the loop; if it raises, fail what was in flight, reset the
+        engine and run it again, unless it keeps failing."""
+        restarts: list[float] = []
+        while True:
+            try:
+                self._loop()
+            except Exception as e:
+                now = time.monotonic()
+                restarts = [t for t in restarts if now - t < RESTART_WINDOW_S] + [now]
+                if len(restarts) > MAX_RESTARTS:
+                    logger.exception("engine loop failed %d times in %.0f s; giving up",
+                                     len(restarts), RESTART_WINDOW_S)
+                    self._fail_all(e)
+                    return
+                logger.exception("engine loop failed; failing its requests and restarting")
+                self._recover(e)
+                continue
+            except BaseException as e:  # interpreter shutdown and the like: no restart
+                self._fail_all(e)
+                return
+            self._fail_all(None)
             return
-        self._fail_all(None)
+
+    def _loop(self) -> None:
+        """Serve the inbox and step the engine until asked to stop."""
+        eng = self.engine
+        while True:
+            busy = eng.has_unfinished_requests()
+            if self._apply(self._drain(block=not busy)):
+                return
+            if not eng.has_unfinished_requests():
+                continue
+            steps = eng.num_steps
+            outputs = eng.step()
+            # Figures first: a caller woken by its final output already sees them.
+            self._publish()
+            self._dispatch(outputs)
+            if (eng.num_steps == steps and not outputs
+                    and self._apply(self._drain(block=True, timeout=_IDLE_POLL_S))):
+                return
+
+    def _recover(self, error: Exception) -> None:
+        """The loop raised: the engine's bookkeeping is unknown, so every request in it
+        fails (with a clear error) and the engine starts over empty."""
+        exc = RequestFailedError(f"the engine loop failed while this request ran and was "
+                                 f"restarted: {error!r}")
+        for stream in self._streams.values():
+            stream.push(exc)
+        self._streams.clear()
+        self.engine.reset()
+        self._publish()
 
     def _drain(self, block: bool, timeout: float | None = None) -> list[_Add | _Abort | _Stop]:
         cmds: list[_Add | _Abort | _Stop] = []
@@ -228,6 +274,7 @@ class AsyncEngine:
         """Run inbox commands in order; True when asked to stop."""
         stop = False
         adds = 0
+        failure: Exception | None = None
         for cmd in cmds:
             if isinstance(cmd, _Stop):
                 stop = True
@@ -235,9 +282,14 @@ class AsyncEngine:
                 adds += cmd.params.n
                 self._add(cmd)
             else:
-                self._abort(cmd.request_id)
+                try:
+                    self._abort(cmd.request_id)
+                except Exception as e:  # the rest of the batch is still served first
+                    failure = failure or e
         if cmds:
             self._publish(adds)
+        if failure is not None:
+            raise failure  # the engine's bookkeeping is in doubt: the supervisor resets it
         return stop
 
     def _add(self, cmd: _Add) -> None:
@@ -277,7 +329,7 @@ class AsyncEngine:
             first, stream.last = stream.last is None, out
             if out.finished:
                 del self._streams[out.request_id]
-            stream.push(out)
+            stream.push(out if out.error is None else RequestFailedError(out.error))
             if self.observer is not None:
                 try:
                     self.observer.on_output(out, first)

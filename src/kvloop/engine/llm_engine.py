@@ -11,6 +11,7 @@ the engine appends tokens, detokenizes, checks stop conditions and frees what fi
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from kvloop import kernels
+from kvloop.batch import SchedulerOutput
 from kvloop.config import EngineConfig, ModelConfig, parse_size
 from kvloop.engine.detokenizer import IncrementalDetokenizer
 from kvloop.engine.output_state import SeqOutputState
@@ -34,6 +36,8 @@ from kvloop.request import Request, RequestStatus
 from kvloop.runner import ModelRunner, SampledToken, kv_cache_bytes_per_block
 from kvloop.sampling.beam import BeamSearch
 from kvloop.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+
+logger = logging.getLogger("kvloop.engine")
 
 
 @dataclass
@@ -53,9 +57,12 @@ class _Group:
     beam_candidates: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     beam_results: list[CompletionOutput] | None = None
     num_beam_seqs: int = 0
+    error: str | None = None  # set when the request failed
 
     @property
     def finished(self) -> bool:
+        if self.error is not None:
+            return True
         if self.beam is not None:
             return self.beam_results is not None
         return self.num_pending_forks == 0 and all(s.request.is_finished for s in self.seqs)
@@ -102,12 +109,11 @@ class LLMEngine:
         num_blocks = max(1, min(parse_size(ec.kv_cache_memory) // per_block, blocks_cap))
         if not ec.use_cache:
             num_blocks = 1
-        self.kv = KVCacheManager(num_blocks, ec.block_size, ec.enable_prefix_caching)
+        self.num_blocks = num_blocks
+        self._new_scheduler()
         if ec.use_cache:  # a sequence may never outgrow the cache (it would stall)
             usable = (num_blocks - self.kv.watermark_blocks) * ec.block_size
             self.max_model_len = min(self.max_model_len, usable)
-        self.scheduler = Scheduler(
-            SchedulerConfig(ec.max_num_seqs, ec.max_num_batched_tokens, ec.use_cache), self.kv)
         self.runner = ModelRunner(self.model, ec.block_size, num_blocks, ec.use_cache,
                                   ec.use_kernels)
         self._groups: dict[str, _Group] = {}
@@ -115,6 +121,22 @@ class LLMEngine:
         self._ids = itertools.count()
         self.total_positions = 0
         self.num_steps = 0
+
+    def _new_scheduler(self) -> None:
+        ec = self.config
+        self.kv = KVCacheManager(self.num_blocks, ec.block_size, ec.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(ec.max_num_seqs, ec.max_num_batched_tokens, ec.use_cache), self.kv)
+
+    def reset(self) -> None:
+        """Forget every request and the prefix cache, keeping the model and the KV memory.
+
+        For recovery after a failure that left the bookkeeping in an unknown state (the
+        async engine's supervisor): callers must already have failed the requests."""
+        self._new_scheduler()
+        self.runner.reset()
+        self._groups.clear()
+        self._seq_to_group.clear()
 
     # -- requests -----------------------------------------------------------------------------
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -139,13 +161,24 @@ class LLMEngine:
             bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
             if bad:
                 raise InvalidParamsError(f"prompt token ids out of range: {bad[:5]}")
+        if not ids and text is not None:
+            # An empty text prompt (valid in the OpenAI API) starts from the beginning of a
+            # document: the BOS token, or the end token where the model has none (GPT-2's
+            # convention).
+            start = self.model_config.bos_token_id
+            if start is None:
+                start = self.tokenizer.bos_token_id
+            ids = [start] if start is not None else list(self.eos_token_ids()[:1])
         if not ids:
             raise InvalidParamsError("the prompt is empty", param="prompt")
         vocab = self.model_config.vocab_size
-        bad_bias = [t for t in (params.logit_bias or {}) if not 0 <= t < vocab]
-        if bad_bias:
-            raise InvalidParamsError(f"logit_bias token ids out of range [0, {vocab}): "
-                                     f"{bad_bias[:5]}", param="logit_bias")
+        # Ids the sampler indexes logits with: out of range, they would fail the whole step.
+        for name, ids_in in (("logit_bias", params.logit_bias or {}),
+                             ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids_in if not 0 <= t < vocab]
+            if bad:
+                raise InvalidParamsError(f"{name} token ids must be in [0, {vocab}), got "
+                                         f"{bad[:5]}", param=name)
         if len(ids) >= self.max_model_len:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens but the model's context is {self.max_model_len} "
@@ -192,13 +225,12 @@ class LLMEngine:
         return row
 
     def abort(self, request_id: str) -> None:
-        group = self._groups.pop(request_id, None)
+        group = self._groups.get(request_id)
         if group is None:
             return
         ids = [s.request.request_id for s in group.seqs if not s.request.is_finished]
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
-        for s in group.seqs:
-            self._seq_to_group.pop(s.request.request_id, None)
+        self._forget(group)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
@@ -208,6 +240,14 @@ class LLMEngine:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One transaction: the scheduler proposes, the runner executes, then the scheduler
+        commits progress and the engine appends each sequence's token.
+
+        Failures stay where they happen: a forward that raises fails the requests of this
+        step (nothing of theirs is committed, their blocks are freed); an error in one
+        request's own work (detokenizing, stop checks, the beam step) fails that request.
+        Either way the engine goes on serving the rest.
+        """
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -216,40 +256,82 @@ class LLMEngine:
             m = self.scheduler.requests[scheduled.request_id].metrics
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
-        result = self.runner.execute(sched)
+        try:
+            result = self.runner.execute(sched)
+        except Exception as e:
+            logger.exception("the forward of step %d failed; failing its %d sequences",
+                             self.num_steps, len(sched.seqs))
+            return self._fail_step(sched, e)
+        self.scheduler.commit(sched)
         self.total_positions += result.num_tokens
         self.num_steps += 1
         now = time.perf_counter()
 
-        touched: dict[str, _Group] = {}
-        finished: dict[RequestStatus, list[str]] = {}
-        # n > 1: siblings fork from their parent before anyone appends a token.
-        for rid in result.sampled:
-            group = self._seq_to_group.get(rid)
-            if group is not None and group.num_pending_forks and rid == group.seqs[0].request_id:
-                self._fork_siblings(group, result.sampled)
+        # The step's sampled tokens, per user request (siblings and beams together).
+        per_group: dict[str, tuple[_Group, dict[str, SampledToken]]] = {}
         for rid, tok in result.sampled.items():
-            group = self._seq_to_group[rid]
-            touched[group.request_id] = group
-            if group.beam is not None:
-                group.beam_candidates[rid] = tok.top_logprobs or []
-                continue
-            seq = group.seqs[0] if len(group.seqs) == 1 else next(
-                s for s in group.seqs if s.request_id == rid)
-            self._append(seq, tok, now, finished)
-        for group in touched.values():
-            if group.beam is not None and len(group.beam_candidates) == len(group.beam_scores):
+            # An n > 1 sibling not yet forked is known only by its id: "<request id>#<i>".
+            group = self._seq_to_group.get(rid) or self._groups.get(rid.rpartition("#")[0])
+            if group is not None:
+                per_group.setdefault(group.request_id, (group, {}))[1][rid] = tok
+        outputs = []
+        for group, sampled in per_group.values():
+            try:
+                self._advance(group, sampled, now)
+                outputs.append(self._make_output(group))
+            except Exception as e:
+                logger.exception("request %s failed", group.request_id)
+                outputs.append(self._fail_group(group, f"the request failed: {e!r}"))
+            if group.finished:
+                self._forget(group)
+        return outputs
+
+    def _advance(self, group: _Group, sampled: dict[str, SampledToken], now: float) -> None:
+        """Append this step's tokens to the group's sequences and finish the ones done."""
+        finished: dict[RequestStatus, list[str]] = {}
+        if group.num_pending_forks and group.seqs[0].request_id in sampled:
+            # n > 1: siblings fork from their parent before anyone appends a token.
+            self._fork_siblings(group, sampled)
+        if group.beam is not None:
+            for rid, cand in sampled.items():
+                group.beam_candidates[rid] = cand.top_logprobs or []
+            if len(group.beam_candidates) == len(group.beam_scores):
                 self._beam_step(group, now)
+            return
+        for seq in group.seqs:
+            tok = sampled.get(seq.request_id)
+            if tok is not None:
+                self._append(seq, tok, now, finished)
         for status, ids in finished.items():
             self.scheduler.finish_requests(ids, status)
+
+    def _fail_step(self, sched: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        groups = {g.request_id: g for s in sched.seqs
+                  if (g := self._seq_to_group.get(s.request_id)) is not None}
         outputs = []
-        for group in touched.values():
-            outputs.append(self._make_output(group))
-            if group.finished:
-                del self._groups[group.request_id]
-                for s in group.seqs:
-                    self._seq_to_group.pop(s.request.request_id, None)
+        for group in groups.values():
+            outputs.append(self._fail_group(
+                group, f"the model's forward pass failed in this request's step: {error!r}"))
+            self._forget(group)
         return outputs
+
+    def _fail_group(self, group: _Group, message: str) -> RequestOutput:
+        """End every sequence of `group` with status error, free its blocks, and report."""
+        group.error = message
+        live = [s.request.request_id for s in group.seqs if not s.request.is_finished]
+        self.scheduler.finish_requests(live, RequestStatus.FINISHED_ERROR)
+        first = group.seqs[0].request
+        first.metrics.finished_time = time.perf_counter()
+        comps = [CompletionOutput(index=s.index, text=s.text, token_ids=list(
+                     s.request.output_token_ids), finish_reason=RequestStatus.FINISHED_ERROR.value)
+                 for s in group.seqs] if group.beam is None else []
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, comps,
+                             True, first.metrics, error=message)
+
+    def _forget(self, group: _Group) -> None:
+        self._groups.pop(group.request_id, None)
+        for s in group.seqs:
+            self._seq_to_group.pop(s.request.request_id, None)
 
     def _append(self, seq: SeqOutputState, tok: SampledToken, now: float,
                 finished: dict[RequestStatus, list[str]]) -> None:

@@ -12,7 +12,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    # "stop" | "length" | "abort" | "error" | None while running
+    finish_reason: str | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[float] | None = None  # chosen tokens' logprobs, when asked for
     top_logprobs: list[list[tuple[int, float]]] | None = None
@@ -34,6 +35,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # Set when the request failed (its own work or its step's forward raised): the request
+    # is finished and this says why; other requests were not affected.
+    error: str | None = None
 
     @property
     def text(self) -> str:
