@@ -249,3 +249,25 @@ def test_supervisor_restarts_a_failed_loop_then_gives_up(tiny_model_dir):
             aeng.shutdown()
 
     asyncio.run(main())
+
+
+def test_beam_step_failing_halfway_through_its_forks_leaks_nothing(tiny_model_dir):
+    """The search fails after it forked a beam but before it listed it: that beam's blocks
+    are freed with the rest."""
+    engine = make_engine(tiny_model_dir)
+    engine.add_request("beams", [5, 6, 7], SamplingParams(max_tokens=8, num_beams=4))
+    real_new_seq = engine._new_seq
+    calls = {"n": 0}
+
+    def new_seq(*args, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("fork failed")
+        return real_new_seq(*args, **kw)
+
+    engine._new_seq = new_seq  # type: ignore[method-assign]
+    finals = run_all(engine)
+    assert calls["n"] == 2
+    assert finals["beams"].error and "fork failed" in finals["beams"].error
+    assert_idle(engine)
+    assert engine._seq_to_group == {}

@@ -228,8 +228,7 @@ class LLMEngine:
         group = self._groups.get(request_id)
         if group is None:
             return
-        ids = [s.request.request_id for s in group.seqs if not s.request.is_finished]
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        self.scheduler.finish_requests(self._seq_ids(group), RequestStatus.FINISHED_ABORTED)
         self._forget(group)
 
     def has_unfinished_requests(self) -> bool:
@@ -318,8 +317,7 @@ class LLMEngine:
     def _fail_group(self, group: _Group, message: str) -> RequestOutput:
         """End every sequence of `group` with status error, free its blocks, and report."""
         group.error = message
-        live = [s.request.request_id for s in group.seqs if not s.request.is_finished]
-        self.scheduler.finish_requests(live, RequestStatus.FINISHED_ERROR)
+        self.scheduler.finish_requests(self._seq_ids(group), RequestStatus.FINISHED_ERROR)
         first = group.seqs[0].request
         first.metrics.finished_time = time.perf_counter()
         comps = [CompletionOutput(index=s.index, text=s.text, token_ids=list(
@@ -328,10 +326,18 @@ class LLMEngine:
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, comps,
                              True, first.metrics, error=message)
 
+    def _seq_ids(self, group: _Group) -> list[str]:
+        """Every sequence id of `group` the engine knows, including beams forked by a beam
+        step that raised before it could list them in group.seqs."""
+        ids = dict.fromkeys(s.request.request_id for s in group.seqs)
+        if group.beam is not None:
+            ids.update(dict.fromkeys(r for r, g in self._seq_to_group.items() if g is group))
+        return list(ids)
+
     def _forget(self, group: _Group) -> None:
         self._groups.pop(group.request_id, None)
-        for s in group.seqs:
-            self._seq_to_group.pop(s.request.request_id, None)
+        for rid in self._seq_ids(group):
+            self._seq_to_group.pop(rid, None)
 
     def _append(self, seq: SeqOutputState, tok: SampledToken, now: float,
                 finished: dict[RequestStatus, list[str]]) -> None:
