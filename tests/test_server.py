@@ -545,22 +545,31 @@ def test_overload_is_429_with_retry_after(tiny_model_dir: Path) -> None:
         wait_idle(c)
 
 
-def test_engine_failure_is_503_and_health_says_so(tiny_model_dir: Path) -> None:
+def test_engine_failure_is_500_then_503_when_it_keeps_failing(tiny_model_dir: Path) -> None:
+    """A loop that fails is restarted (the request gets a 500 error event, /health stays
+    ok); one that keeps failing is declared dead: 503 everywhere, /health 503."""
+    from kvloop.engine.async_engine import MAX_RESTARTS
+
     engine = tiny_engine(tiny_model_dir)
 
     def broken_step() -> list:
         raise RuntimeError("simulated engine failure")
 
     engine.step = broken_step  # type: ignore[method-assign]
+    body = {"prompt": PROMPT, "max_tokens": 4}
     with serve(engine) as server, httpx.Client(base_url=server.url, timeout=30) as c:
         assert c.get("/health").status_code == 200
-        with c.stream("POST", "/v1/completions",
-                      json={"prompt": PROMPT, "max_tokens": 4, "stream": True}) as r:
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
             assert r.status_code == 200
             events = sse_events(r)
-        assert events and "error" in events[-1] and events[-1]["error"]["code"] == "engine_dead"
+        assert events and events[-1]["error"]["code"] == "request_failed"
+        assert c.get("/health").status_code == 200  # restarted
+        for _ in range(MAX_RESTARTS - 1):
+            assert_error(c.post("/v1/completions", json=body), 500, code="request_failed")
+        # The failure that exceeds the restart budget: its own request, then every later one.
+        assert c.post("/v1/completions", json=body).status_code in (500, 503)
         assert_error(c.get("/health"), 503, code="engine_dead")
-        assert_error(c.post("/v1/completions", json={"prompt": PROMPT}), 503)
+        assert_error(c.post("/v1/completions", json=body), 503)
         assert c.get("/v1/models").status_code == 200  # the server itself lives on
 
 

@@ -11,25 +11,30 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvloop.engine.async_engine import AsyncEngine
 from kvloop.engine.llm_engine import LLMEngine
+from kvloop.server.connections import DEFAULT_MAX_HEADER_BYTES
 from kvloop.server.errors import APIError, bad_request, from_validation_error
 from kvloop.server.metrics import ServerMetrics
 from kvloop.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
 from kvloop.server.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
 )
-from kvloop.server.serving import OpenAIServing
+from kvloop.server.serving import DEFAULT_MAX_PROMPTS, DEFAULT_MAX_TOKENS, OpenAIServing
 
 logger = logging.getLogger("kvloop.server")
 
@@ -43,6 +48,15 @@ class ServerSettings:
     api_key: str | None = None  # None: /v1 is open (bind to loopback then)
     max_waiting: int | None = DEFAULT_MAX_WAITING  # sequences queued before 429
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS  # a longer prompt list is a 400
+    default_max_tokens: int = DEFAULT_MAX_TOKENS  # chat without max_tokens (capped by room)
+    # The connection side, read by kvloop.server.lifecycle (not by the app):
+    shutdown_grace: float = 30.0  # seconds in-flight requests get to finish on SIGTERM
+    header_timeout: float = 10.0  # a request's headers must arrive within this
+    body_timeout: float = 30.0  # and its body within this, once the headers are in
+    keep_alive_timeout: float = 5.0  # an idle keep-alive connection is closed after this
+    max_connections: int | None = 1024  # open connections; more are refused with 503
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # larger request heads get 431
 
 
 def create_app(engine: LLMEngine, settings: ServerSettings | None = None) -> FastAPI:
@@ -53,7 +67,8 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None) -> Fas
     async_engine = AsyncEngine(engine, settings.max_waiting)
     metrics = ServerMetrics(async_engine.stats)
     async_engine.observer = metrics
-    serving = OpenAIServing(async_engine, model_name)
+    serving = OpenAIServing(async_engine, model_name, settings.max_prompts_per_request,
+                            settings.default_max_tokens)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -67,6 +82,8 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None) -> Fas
     app = FastAPI(title="kvloop", version="0.1.0", lifespan=lifespan)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
+    app.state.serving = serving  # the shutdown drain reaches the live jobs through it
+    app.state.settings = settings
 
     # -- errors: always the OpenAI shape ------------------------------------------------------
     @app.exception_handler(APIError)
@@ -101,8 +118,13 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None) -> Fas
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
 
     # -- routes -------------------------------------------------------------------------------
-    @app.get("/health")
+    @app.get("/health", responses={200: {"content": {"application/json": {"schema": {
+        "type": "object", "properties": {"status": {"type": "string"}},
+        "required": ["status"]}}}}, 503: _ERROR})
     async def health() -> Response:
+        if serving.draining:  # a load balancer should stop sending work here now
+            return APIError(503, "the server is shutting down", "service_unavailable",
+                            code="shutting_down").response()
         if async_engine.healthy:
             return JSONResponse({"status": "ok"})
         why = async_engine.error
@@ -110,7 +132,7 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None) -> Fas
                         else "the engine loop is not running", "service_unavailable",
                         code="engine_dead").response()
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -118,12 +140,50 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None) -> Fas
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, max_model_len=engine.max_model_len)])
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=_v1_responses(CompletionResponse))
     async def completions(req: CompletionRequest, raw: Request) -> Response:
         return await serving.completions(req, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_v1_responses(ChatCompletionResponse))
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat(req, raw)
 
+    _document_real_responses(app)
     return app
+
+
+# --- the OpenAPI document says what the server really answers ------------------------------------
+_ERROR: dict[str, Any] = {"model": ErrorResponse}
+_V1_ERRORS = {
+    400: "invalid request (the error names the field in `param`)",
+    401: "missing or invalid API key (when the server has one)",
+    413: "request body too large",
+    429: "too many sequences waiting; retry after Retry-After seconds",
+    503: "the engine is not running, or the server is shutting down",
+}
+
+
+def _v1_responses(model: type) -> dict[int | str, dict[str, Any]]:
+    ok: dict[str, Any] = {"model": model, "content": {"text/event-stream": {
+        "schema": {"type": "string", "description": "server-sent events when stream is true"}}}}
+    return {200: ok, **{code: {**_ERROR, "description": why} for code, why in _V1_ERRORS.items()}}
+
+
+def _document_real_responses(app: FastAPI) -> None:
+    """FastAPI documents a 422 for every route with a body and nothing else; this server
+    answers 400 (in the OpenAI shape) instead and adds its own statuses."""
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        from fastapi.openapi.utils import get_openapi
+
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path_item in doc.get("paths", {}).values():
+            for op in path_item.values():
+                op.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            doc.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = doc
+        return doc
+
+    app.openapi = openapi  # type: ignore[method-assign]

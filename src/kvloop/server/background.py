@@ -11,8 +11,9 @@ import threading
 import time
 from types import TracebackType
 
-import uvicorn
 from fastapi import FastAPI
+
+from kvloop.server.lifecycle import build_server
 
 
 class BackgroundServer:
@@ -24,8 +25,8 @@ class BackgroundServer:
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self.host, self.port = self._sock.getsockname()[:2]
-        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
-        self.server = uvicorn.Server(config)
+        # kvloop's server: the same connection limits and shutdown drain as `kvloop serve`.
+        self.server = build_server(app, log_level=log_level)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
                                         name="kvloop-uvicorn", daemon=True)
 

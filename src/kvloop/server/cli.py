@@ -44,6 +44,26 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
                    help="sequences allowed to wait for a seat; more get 429 (default 256)")
     p.add_argument("--max-body-bytes", type=_size, default=1 << 20,
                    help="larger request bodies get 413 (default 1MiB)")
+    p.add_argument("--max-prompts-per-request", type=int, default=64,
+                   help="prompts one /v1/completions list may hold; more get 400 (default 64)")
+    p.add_argument("--default-max-tokens", type=int, default=1024,
+                   help="max_tokens of a chat request that sets none, capped by the room "
+                        "left in the context (default 1024)")
+    g = p.add_argument_group("connections")
+    g.add_argument("--shutdown-grace", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds running requests get to finish before "
+                        "they are ended with an error (default 30)")
+    g.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a request's headers may take to arrive (default 10)")
+    g.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request's body may take once its headers are in "
+                        "(default 30)")
+    g.add_argument("--keep-alive-timeout", type=float, default=5.0,
+                   help="seconds an idle keep-alive connection stays open (default 5)")
+    g.add_argument("--max-connections", type=int, default=1024,
+                   help="open connections; more are refused with 503 (default 1024)")
+    g.add_argument("--max-header-bytes", type=_size, default=16 * 1024,
+                   help="larger request heads get 431 (default 16KiB)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     g = p.add_argument_group("engine")
@@ -74,8 +94,17 @@ def _check(args: argparse.Namespace) -> None:
         raise KvloopError(f"--port must be in [0, 65535], got {args.port}")
     if args.max_waiting < 1:
         raise KvloopError(f"--max-waiting must be >= 1, got {args.max_waiting}")
-    if args.max_body_bytes < 1:
-        raise KvloopError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    for flag in ("max_body_bytes", "max_prompts_per_request", "default_max_tokens",
+                 "max_connections", "max_header_bytes"):
+        if getattr(args, flag) < 1:
+            raise KvloopError(f"--{flag.replace('_', '-')} must be >= 1, "
+                              f"got {getattr(args, flag)}")
+    for flag in ("header_timeout", "body_timeout", "keep_alive_timeout"):
+        if not 0 < getattr(args, flag) < 1e6:
+            raise KvloopError(f"--{flag.replace('_', '-')} must be a positive number of "
+                              f"seconds, got {getattr(args, flag)}")
+    if not 0 <= args.shutdown_grace < 1e6:
+        raise KvloopError(f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace}")
     for flag in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
         if getattr(args, flag) < 1:
             raise KvloopError(f"--{flag.replace('_', '-')} must be >= 1")
@@ -108,11 +137,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     args.host)
 
     # Deferred: torch and FastAPI take seconds to import.
-    import uvicorn
-
     from kvloop.config import EngineConfig
     from kvloop.engine.llm_engine import LLMEngine
     from kvloop.server.app import ServerSettings, create_app
+    from kvloop.server.lifecycle import build_server
 
     engine = LLMEngine(args.model, EngineConfig(
         kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
@@ -121,9 +149,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         num_threads=args.threads))
     app = create_app(engine, ServerSettings(
         model_name=args.served_model_name, api_key=api_key, max_waiting=args.max_waiting,
-        max_body_bytes=args.max_body_bytes))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+        max_body_bytes=args.max_body_bytes, max_prompts_per_request=args.max_prompts_per_request,
+        default_max_tokens=args.default_max_tokens, shutdown_grace=args.shutdown_grace,
+        header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+        keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
+        max_header_bytes=args.max_header_bytes))
+    # SIGTERM/SIGINT drain the server (see kvloop.server.lifecycle): a clean exit, 0.
+    build_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
     return 0
 
 

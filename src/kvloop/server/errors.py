@@ -5,17 +5,15 @@ KvloopError a 400 with its own words, overload a 429, a dead engine a 503."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 
 from kvloop.errors import KvloopError, PromptTooLongError
 from kvloop.params import SamplingParams
-from kvloop.server.protocol import ErrorBody, ErrorResponse
+from kvloop.server.protocol import ErrorBody, ErrorResponse, SafeJSONResponse, dumps
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 # Pydantic names the member of a union that failed in `loc`; it is not a field.
@@ -38,12 +36,12 @@ class APIError(Exception):
         return ErrorResponse(error=ErrorBody(message=self.message, type=self.type,
                                              param=self.param, code=self.code))
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body().model_dump(), self.status, headers=self.headers)
+    def response(self) -> SafeJSONResponse:
+        return SafeJSONResponse(self.body().model_dump(), self.status, headers=self.headers)
 
     def sse(self) -> str:
         """The error as a server-sent event, for failures after a stream has begun."""
-        return f"data: {json.dumps(self.body().model_dump())}\n\n"
+        return f"data: {dumps(self.body().model_dump())}\n\n"
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 # OpenAI's own cap on `n`; bounds the work one request can ask for.
@@ -59,11 +60,20 @@ class SamplingRequest(_Strict):
     early_stopping: bool | Literal["never"] | None = None
 
 
+# An empty text is a prompt (the engine starts from BOS); an empty list or token list is not.
+_Ids = Annotated[list[int], Field(min_length=1)]
+Prompt = (str | Annotated[list[str], Field(min_length=1)] | _Ids
+          | Annotated[list[_Ids], Field(min_length=1)])
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     logprobs: int | None = None
     echo: bool = False  # only False is supported; accepted because clients send it
     suffix: str | None = None  # only None is supported
+    # kvloop extension: control-token strings in the prompt ("<|im_start|>") become their
+    # control tokens. Off by default: user text is text.
+    parse_special_tokens: bool = False
 
 
 class TextPart(_Strict):
@@ -220,10 +230,26 @@ class ErrorResponse(_Out):
     error: ErrorBody
 
 
+def dumps(data: Any) -> str:
+    """Compact JSON, UTF-8 kept, but U+2028/U+2029 escaped: they are line breaks to
+    JavaScript and to splitters like Python's str.splitlines (httpx's aiter_lines), which
+    would cut an SSE event in two. They can only occur inside strings, so the escape is
+    always valid JSON."""
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+
+
+class SafeJSONResponse(JSONResponse):
+    """A JSON body written by `dumps`."""
+
+    def render(self, content: Any) -> bytes:
+        return dumps(content).encode("utf-8")
+
+
 def dump_chunk(chunk: BaseModel) -> str:
     """One SSE event. A chat delta leaves out its unset fields, as OpenAI's does."""
     data: dict[str, Any] = chunk.model_dump(mode="json")
     for choice in data.get("choices", []):
         if isinstance(choice.get("delta"), dict):
             choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
-    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {dumps(data)}\n\n"

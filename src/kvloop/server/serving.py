@@ -18,12 +18,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from kvloop.engine.async_engine import (
     AsyncEngine,
     EngineDeadError,
     EngineOverloadedError,
+    RequestFailedError,
     RequestStream,
 )
 from kvloop.engine.outputs import CompletionOutput, RequestOutput
@@ -50,14 +51,17 @@ from kvloop.server.protocol import (
     Usage,
     dump_chunk,
 )
+from kvloop.server.protocol import SafeJSONResponse as JSONResponse
 
 logger = logging.getLogger("kvloop.server")
 
 RETRY_AFTER_S = 1
+DEFAULT_MAX_PROMPTS = 64  # prompts in one /v1/completions list
+DEFAULT_MAX_TOKENS = 1024  # chat requests that give no max_tokens
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity: live jobs sit in a set
 class _Job:
     """One HTTP request: its id, its prompts (token ids) and their engine streams."""
 
@@ -67,6 +71,8 @@ class _Job:
     choices_per_prompt: int
     engine_ids: list[str] = field(default_factory=list)
     streams: list[RequestStream] = field(default_factory=list)
+    # Set when the server, not the client, ends the job (shutdown): what its client is told.
+    failure: APIError | None = None
 
 
 @dataclass
@@ -81,9 +87,17 @@ class _Delta:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str,
+                 max_prompts: int = DEFAULT_MAX_PROMPTS,
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.max_prompts = max_prompts
+        self.default_max_tokens = default_max_tokens
+        # Shutdown: `draining` refuses new requests; live jobs finish or are ended by
+        # end_all(). Only touched on the event loop.
+        self.draining = False
+        self._jobs: set[_Job] = set()
         # Read-only facts of the loaded model: safe to read off the engine thread.
         llm = engine.engine
         self.tokenizer = llm.tokenizer
@@ -98,13 +112,13 @@ class OpenAIServing:
             raise bad_request("echo is not supported", "echo", "unsupported")
         if req.suffix is not None:
             raise bad_request("suffix is not supported", "suffix", "unsupported")
-        prompts = await self._completion_prompts(req.prompt)
+        prompts = await self._completion_prompts(req.prompt, req.parse_special_tokens)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
         for ids in prompts:
             self._check_context(ids, max_tokens, "prompt", "max_tokens")
         params = self._params(req, max_tokens, req.logprobs, {"logprobs": "logprobs"})
         job = _Job(f"cmpl-{uuid.uuid4().hex}", prompts, params, req.n)
-        await self._submit(job, req.priority)
+        await self._submit(job, req.priority, raw)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._sse(job, raw, self._completion_chunks(job, include_usage))
@@ -128,19 +142,21 @@ class OpenAIServing:
                     for m in req.messages]
         try:
             ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages)
-        except KvloopError as e:  # no chat template, or the template refused the conversation
+        except KvloopError as e:  # no template, a refused conversation, or unencodable text
             raise bad_request(str(e), "messages") from e
         limit = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
-        # OpenAI's chat default: whatever room the context has left.
-        max_tokens = limit if limit is not None else max(self.max_model_len - len(ids), 1)
+        # OpenAI's default is the room the context has left; bounded, so one request that
+        # names no limit cannot hold a seat for a whole 8k context.
+        max_tokens = limit if limit is not None else max(
+            min(self.default_max_tokens, self.max_model_len - len(ids)), 1)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         self._check_context(ids, max_tokens, "messages", param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._params(req, max_tokens, logprobs,
                               {"logprobs": "top_logprobs", "max_tokens": param})
         job = _Job(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, req.n)
-        await self._submit(job, req.priority)
+        await self._submit(job, req.priority, raw)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._sse(job, raw, self._chat_chunks(job, include_usage))
@@ -155,13 +171,15 @@ class OpenAIServing:
 
     # -- checks and translation -----------------------------------------------------------------
     def _check_common(self, req: SamplingRequest) -> None:
+        if self.draining:
+            raise _shutting_down()
         if req.model is not None and req.model != self.model_name:
             raise APIError(400, f"model {req.model!r} is not served here (this server serves "
                            f"{self.model_name!r}; see GET /v1/models)", param="model",
                            code="model_not_found")
 
-    async def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]
-                                  ) -> list[list[int]]:
+    async def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]],
+                                  parse_special: bool = False) -> list[list[int]]:
         items: list[str | list[int]] = []
         if isinstance(prompt, str):
             items = [prompt]
@@ -171,12 +189,19 @@ class OpenAIServing:
             items = list(prompt)  # type: ignore[arg-type]  # a batch of prompts
         if not items:
             raise bad_request("prompt is empty", "prompt")
+        if len(items) > self.max_prompts:
+            # Each prompt is a request of its own: the list is work one client asks for.
+            raise bad_request(f"prompt holds {len(items)} prompts; at most {self.max_prompts} "
+                              f"are allowed in one request", "prompt", "too_many_prompts")
+        texts = [p for p in items if isinstance(p, str)]
+        # Off the event loop, all in one hop: a long prompt must not stall other streams.
+        encoded = iter(await asyncio.to_thread(self._encode_all, texts, parse_special)
+                       if texts else [])
         out = []
         for p in items:
-            # Off the event loop: a long prompt must not stall every other stream.
-            ids = (await asyncio.to_thread(self.tokenizer.encode, p) if isinstance(p, str)
-                   else list(p))
-            if not ids:
+            ids = next(encoded) if isinstance(p, str) else list(p)
+            # An empty text is a prompt (the engine starts it from BOS); no ids is not.
+            if not ids and not isinstance(p, str):
                 raise bad_request("prompt is empty", "prompt")
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
             if bad:
@@ -184,6 +209,15 @@ class OpenAIServing:
                                   f"got {bad[:5]}", "prompt")
             out.append(ids)
         return out
+
+    def _encode_all(self, texts: list[str], parse_special: bool) -> list[list[int]]:
+        try:
+            if parse_special:  # the opt-in: control-token strings become control tokens
+                return [self.tokenizer.encode(t, parse_special=True)  # type: ignore[call-arg]
+                        for t in texts]
+            return [self.tokenizer.encode(t) for t in texts]
+        except KvloopError as e:  # text the tokenizer refuses (a lone surrogate)
+            raise bad_request(str(e), "prompt") from e
 
     def _check_context(self, ids: list[int], max_tokens: int, prompt_param: str,
                        max_param: str) -> None:
@@ -232,11 +266,17 @@ class OpenAIServing:
             kw["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
         if req.stop_token_ids is not None:
             kw["stop_token_ids"] = list(req.stop_token_ids)
-        beams = req.num_beams or ((req.best_of or req.n) if req.use_beam_search else 1)
         if req.best_of is not None and not req.use_beam_search and req.best_of != req.n:
             raise bad_request("best_of is only supported with use_beam_search (it is the "
                               "number of beams)", "best_of", "unsupported")
-        if beams > 1:
+        if req.num_beams is not None:
+            # `is not None`, not `or`: 0 and -3 are values SamplingParams must refuse.
+            beams = req.num_beams
+        elif req.use_beam_search:
+            beams = req.best_of if req.best_of is not None else req.n
+        else:
+            beams = 1
+        if beams != 1 or req.use_beam_search:
             # Beam search returns the n best of `beams` beams (vLLM's best_of/n).
             kw.update(num_beams=beams, num_return_sequences=req.n, n=1)
             names = {"num_beams": "best_of" if req.use_beam_search else "num_beams",
@@ -249,17 +289,29 @@ class OpenAIServing:
             raise from_kvloop_error(e, names) from e
 
     # -- engine ---------------------------------------------------------------------------------
-    async def _submit(self, job: _Job, priority: int) -> None:
-        """Queue every prompt of the job, or none of them."""
-        ids = ([job.request_id] if len(job.prompts) == 1
-               else [f"{job.request_id}-{k}" for k in range(len(job.prompts))])
+    async def _submit(self, job: _Job, priority: int, raw: Request) -> None:
+        """Queue every prompt of the job at once, or none of them.
+
+        All adds are sent together (one engine drain takes them all, not one per step),
+        and a client that leaves meanwhile aborts every prompt of the job."""
+        if self.draining:
+            raise _shutting_down()
+        job.engine_ids = ([job.request_id] if len(job.prompts) == 1
+                          else [f"{job.request_id}-{k}" for k in range(len(job.prompts))])
+        self._jobs.add(job)
         try:
-            for rid, prompt in zip(ids, job.prompts, strict=True):
-                job.streams.append(await self.engine.add_request(rid, prompt, job.params,
-                                                                 priority))
-                job.engine_ids.append(rid)
+            async with _abort_on_disconnect(raw, lambda: self._abort(job)):
+                results = await asyncio.gather(
+                    *(self.engine.add_request(rid, prompt, job.params, priority)
+                      for rid, prompt in zip(job.engine_ids, job.prompts, strict=True)),
+                    return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
+            job.streams = [r for r in results if isinstance(r, RequestStream)]
         except BaseException as e:
             self._abort(job)
+            self._jobs.discard(job)
             mapped = _engine_error(e)
             if mapped is e:
                 raise
@@ -269,14 +321,37 @@ class OpenAIServing:
         for rid in job.engine_ids:
             self.engine.abort(rid)
 
+    def _done(self, job: _Job) -> None:
+        self._jobs.discard(job)
+        if not all(s.finished for s in job.streams) or len(job.streams) < len(job.engine_ids):
+            self._abort(job)  # cancelled or failed midway: nothing may keep running
+
+    # -- shutdown -------------------------------------------------------------------------------
+    @property
+    def num_jobs(self) -> int:
+        """HTTP requests whose prompts are queued or running."""
+        return len(self._jobs)
+
+    def end_all(self, error: APIError) -> None:
+        """End every live job now; each client is told `error` (a JSON body, or an SSE
+        error event before [DONE])."""
+        for job in list(self._jobs):
+            job.failure = error
+            self._abort(job)
+
     async def _collect(self, job: _Job, raw: Request) -> list[RequestOutput]:
         last: dict[int, RequestOutput] = {}
-        async with _abort_on_disconnect(raw, lambda: self._abort(job)):
-            try:
-                async for k, out in _merge(job.streams):
-                    last[k] = out
-            except EngineDeadError as e:
-                raise _engine_error(e) from e
+        try:
+            async with _abort_on_disconnect(raw, lambda: self._abort(job)):
+                try:
+                    async for k, out in _merge(job.streams):
+                        last[k] = out
+                except (EngineDeadError, RequestFailedError) as e:
+                    raise _engine_error(e) from e
+        finally:
+            self._done(job)
+        if job.failure is not None:
+            raise job.failure
         if len(last) < len(job.prompts) or not all(o.finished for o in last.values()):
             # Only our own abort ends a stream early: the client is gone, answer anyway.
             raise APIError(499, "request aborted", code="aborted")
@@ -287,16 +362,21 @@ class OpenAIServing:
             async with _abort_on_disconnect(raw, lambda: self._abort(job)):
                 try:
                     async for event in events:
+                        if job.failure is not None:
+                            break
                         yield event
                 except EngineDeadError as e:
                     yield _dead(e).sse()
+                except RequestFailedError as e:
+                    yield _failed(e).sse()
                 except Exception as e:  # headers are sent: the error goes in the stream
                     logger.exception("%s failed mid-stream", job.request_id)
                     yield APIError(500, f"internal error: {e!r}", "internal_error").sse()
                 finally:
                     # Cancelled by a disconnect, or done: either way nothing may keep running.
-                    if not all(s.finished for s in job.streams):
-                        self._abort(job)
+                    self._done(job)
+                if job.failure is not None:  # ended by the server: say so, never just stop
+                    yield job.failure.sse()
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(body(), media_type="text/event-stream",
@@ -430,11 +510,24 @@ def _engine_error(e: BaseException) -> BaseException:
                         code="server_busy", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(e, EngineDeadError):
         return _dead(e)
+    if isinstance(e, RequestFailedError):
+        return _failed(e)
     return e
 
 
 def _dead(e: EngineDeadError) -> APIError:
     return APIError(503, str(e), "service_unavailable", code="engine_dead")
+
+
+def _failed(e: RequestFailedError) -> APIError:
+    # This request alone failed inside the engine; the engine and the others go on.
+    return APIError(500, str(e), "internal_error", code="request_failed")
+
+
+def _shutting_down() -> APIError:
+    return APIError(503, "the server is shutting down; retry on another instance or later",
+                    "service_unavailable", code="shutting_down",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 async def _merge(streams: Sequence[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
