@@ -524,3 +524,25 @@ def test_default_watermark_rounds_down() -> None:
     """The default 1% watermark is zero blocks on a small pool, one on a pool of 100."""
     assert KVCacheManager(64, BS).watermark_blocks == 0
     assert KVCacheManager(100, BS).watermark_blocks == 1
+
+
+# -- truncate (speculative decoding's rollback) ----------------------------------------------
+
+
+def test_truncate_releases_blocks_past_the_kept_tokens() -> None:
+    """Blocks holding only rejected draft tokens go back to the pool; a partly kept block
+    stays; hashed blocks before the cut keep their hashes."""
+    kv = KVCacheManager(8, BS)
+    req = make_request("a", list(range(9)))
+    compute(kv, req, 9)  # blocks 0, 1 full (hashed), block 2 holds token 8
+    assert kv.allocate(req, 6)  # room for 6 more (positions 9..14): blocks 2, 3
+    assert len(kv.block_ids("a")) == 4 and kv.pool.num_free == 4
+    kv.truncate("a", 10)  # one of the six kept: positions 0..9 live in blocks 0..2
+    assert kv.block_ids("a") == [0, 1, 2]
+    assert kv.pool.num_free == 5 and ref_counts(kv)[3] == 0
+    assert kv.pool.blocks[0].block_hash is not None and kv.pool.blocks[1].block_hash is not None
+    kv.truncate("a", 8)  # exactly two full blocks
+    assert kv.block_ids("a") == [0, 1]
+    kv.truncate("unknown", 3)  # no table: nothing to do
+    kv.free("a")
+    assert kv.pool.num_free == 8 and ref_counts(kv) == [0] * 8

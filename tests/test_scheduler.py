@@ -553,3 +553,121 @@ def test_high_priority_request_is_not_preempted_for_a_lower_priority_one() -> No
     assert out.num_preempted == 1
     assert high.status == RequestStatus.RUNNING
     assert low.status == RequestStatus.PREEMPTED
+
+
+# -- draft tokens (speculative decoding) ---------------------------------------------------------
+
+
+def spec_step(sched: Scheduler, drafts: dict[str, list[int]],
+              accept: dict[str, int]) -> SchedulerOutput:
+    """One engine step with drafts: propose, schedule, commit `accept[rid]` drafts, append
+    the accepted drafts and one bonus token, finish the done."""
+    for rid, d in drafts.items():
+        sched.requests[rid].spec_token_ids = list(d)
+    out = sched.schedule()
+    accepted = {s.request_id: min(accept.get(s.request_id, 0), s.num_draft)
+                for s in out.seqs if s.num_draft}
+    sched.commit(out, accepted)
+    done = []
+    for seq in out.seqs:
+        req = sched.requests[seq.request_id]
+        req.spec_token_ids = []
+        if not seq.sample:
+            continue
+        new = seq.draft_token_ids[:accepted.get(seq.request_id, 0)] + [sample_token(req)]
+        room = req.params.max_tokens - len(req.output_token_ids)
+        req.output_token_ids.extend(new[:room])
+        if len(req.output_token_ids) >= req.params.max_tokens:
+            done.append(req.request_id)
+    sched.finish_requests(done, RequestStatus.FINISHED_LENGTH)
+    return out
+
+
+def test_drafts_ride_behind_a_decode_and_rejected_ones_are_rolled_back() -> None:
+    sched = make_scheduler(budget=64)
+    a = make_request("a", 6, max_tokens=20)
+    sched.add_request(a)
+    step(sched)  # prefill; a has 7 tokens, 6 computed
+    out = spec_step(sched, {"a": [71, 72, 73, 74]}, {"a": 2})
+    (seq,) = out.prefills  # several query rows: it is not a one-token decode
+    assert out.decodes == []
+    assert (seq.start_pos, seq.num_draft) == (6, 4)
+    assert seq.token_ids == [5000, 71, 72, 73, 74] and seq.draft_token_ids == [71, 72, 73, 74]
+    # Positions 6..10 ran; 6, 7, 8 are committed (the token and two accepted drafts).
+    assert a.num_computed_tokens == 9
+    assert a.output_token_ids == [5000, 71, 72, 5001]
+    assert len(sched.kv.block_ids("a")) == 3  # 9 tokens; the block of positions 12.. is gone
+    assert (a.metrics.num_draft_tokens, a.metrics.num_accepted_tokens) == (4, 2)
+    assert a.metrics.positions_processed == 6 + 5
+    assert a.metrics.mean_accepted_length == 3.0
+    # The next step runs from the bonus token, in its own slot.
+    out = spec_step(sched, {"a": [81, 82]}, {"a": 0})
+    assert out.seqs[0].start_pos == 9 and out.seqs[0].token_ids == [5001, 81, 82]
+    assert a.num_computed_tokens == 10 and a.output_token_ids[-1] == 5004
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert_all_released(sched)
+
+
+def test_drafts_are_limited_by_budget_and_context_and_skip_prefills() -> None:
+    sched = make_scheduler(budget=4)
+    a = make_request("a", 3, max_tokens=20)
+    sched.add_request(a)
+    a.spec_token_ids = [1, 2, 3]  # a prefill never carries drafts
+    out = sched.schedule()
+    sched.commit(out)
+    assert out.seqs[0].num_draft == 0 and out.seqs[0].num_tokens == 3
+    a.output_token_ids.append(9)
+    a.spec_token_ids = [1, 2, 3, 4, 5]
+    out = sched.schedule()  # budget 4: the token and three drafts
+    assert out.seqs[0].num_draft == 3
+    sched.commit(out, {"a": 3})
+    a.output_token_ids.extend([1, 2, 3, 9])
+    a.max_model_len = a.num_tokens + 1  # room for the pending token and one more position
+    a.spec_token_ids = [1, 2, 3]
+    out = sched.schedule()
+    assert out.seqs[0].num_draft == 1
+
+
+def test_prefix_hashes_cover_only_committed_tokens() -> None:
+    """A rejected draft that filled a block never makes it a prefix-cache hit."""
+    sched = make_scheduler(budget=64)
+    a = make_request("a", 3, max_tokens=20)
+    sched.add_request(a)
+    step(sched)  # 3 prompt tokens computed, token 5000 pending
+    prompt = a.prompt_token_ids
+    out = spec_step(sched, {"a": [61, 62, 63, 64, 65]}, {"a": 0})
+    assert out.seqs[0].num_draft == 5
+    assert a.num_computed_tokens == 4  # the first block (prompt + 5000) is full
+    same = make_request("b", prompt=[*prompt, 5000, 61, 62, 63, 64], max_tokens=1)
+    hits = sched.kv.find_cached_prefix(same)
+    assert len(hits) == 1  # the committed block only: the drafts' block was never hashed
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    assert_all_released(sched)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_mix_of_drafts_aborts_and_preemptions_releases_everything(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    sched = make_scheduler(num_blocks=7, budget=24, max_num_seqs=6)
+    live: list[str] = []
+    preempted_before = sched.num_preemptions
+    for i in range(120):
+        if rng.random() < 0.3:
+            rid = f"r{i}"
+            sched.add_request(make_request(rid, rng.randint(1, 9), max_tokens=rng.randint(1, 12)))
+            live.append(rid)
+        live = [r for r in live if r in sched.requests]
+        if live and rng.random() < 0.05:
+            sched.finish_requests([rng.choice(live)], RequestStatus.FINISHED_ABORTED)
+        running = [r.request_id for r in sched.running]
+        drafts = {r: [rng.randint(0, 50) for _ in range(rng.randint(0, 5))] for r in running}
+        accept = {r: rng.randint(0, 5) for r in running}
+        spec_step(sched, drafts, accept)
+    for _ in range(300):
+        if not sched.has_unfinished_requests():
+            break
+        spec_step(sched, {}, {})
+    assert sched.num_preemptions > preempted_before  # the pool is small enough
+    assert_all_released(sched)

@@ -13,7 +13,9 @@ class ScheduledSeq:
     """One sequence's share of a step: which tokens to run and where their KV lives."""
 
     request_id: str
-    token_ids: list[int]  # tokens to run this step (1 for a decode)
+    # Tokens to run this step: 1 for a decode, a chunk for a prefill, and after them the
+    # `num_draft` speculative tokens to verify.
+    token_ids: list[int]
     start_pos: int  # position of token_ids[0]; tokens before it are already in the cache
     block_ids: list[int]  # the sequence's whole block table (empty without a cache)
     sample: bool  # sample a token after this chunk (false for a non-final prefill chunk)
@@ -24,6 +26,11 @@ class ScheduledSeq:
     # Extra sequences to sample from this same row: (id, params) of n > 1 siblings that
     # will fork from this one once its prompt is in the cache.
     fork_samples: list[tuple[str, SamplingParams]] = field(default_factory=list)
+    num_draft: int = 0  # trailing draft tokens in token_ids: sample at each of them too
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft:]
 
     @property
     def num_tokens(self) -> int:
@@ -37,7 +44,8 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     decodes: list[ScheduledSeq] = field(default_factory=list)  # one token each
-    prefills: list[ScheduledSeq] = field(default_factory=list)  # prompt chunks (or recomputes)
+    # Several tokens each: prompt chunks, recomputes, and decodes with draft tokens.
+    prefills: list[ScheduledSeq] = field(default_factory=list)
     use_cache: bool = True
     finished_ids: list[str] = field(default_factory=list)  # freed since the last step
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)

@@ -205,8 +205,10 @@ class KVCacheManager:
         self.prefix_queries += num_prompt_tokens
         self.prefix_hits += num_hit_tokens
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Hash the blocks that became full of computed tokens, so later requests can reuse them."""
+    def cache_full_blocks(self, request: Request, tokens: list[int] | None = None) -> None:
+        """Hash the blocks that became full of computed tokens, so later requests can reuse
+        them. `tokens`: the request's committed tokens, when they run past its token list
+        (accepted draft tokens not yet appended)."""
         if not self.enable_prefix_caching:
             return
         table = self._tables.get(request.request_id)
@@ -215,7 +217,8 @@ class KVCacheManager:
         num_full = min(request.num_computed_tokens // self.block_size, len(table.blocks))
         if num_full <= table.num_cached:
             return
-        tokens = request.all_token_ids
+        if tokens is None:
+            tokens = request.all_token_ids
         parent = table.blocks[table.num_cached - 1] if table.num_cached else None
         parent_hash = parent.block_hash if parent else None
         for i in range(table.num_cached, num_full):
@@ -235,6 +238,19 @@ class KVCacheManager:
         # evicted last.
         for block in reversed(table.blocks):
             self.pool.release(block)
+
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Keep only the blocks that hold the first `num_tokens` tokens (rejected draft
+        tokens are dropped); the rest go back to the pool. Slots past `num_tokens` inside
+        the last kept block are simply written again later."""
+        table = self._tables.get(request_id)
+        if table is None:
+            return
+        keep = self.num_blocks_for(num_tokens)
+        for block in reversed(table.blocks[keep:]):
+            self.pool.release(block)
+        del table.blocks[keep:]
+        table.num_cached = min(table.num_cached, keep)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Give `child_id` all of the parent's blocks, shared by reference count.

@@ -43,6 +43,17 @@ class RequestMetrics:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     positions_processed: int = 0  # token positions the model ran for this request
     num_preemptions: int = 0
+    # Speculative decoding: draft tokens run through the model, and how many it accepted.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_spec_steps: int = 0  # steps that verified drafts
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens gained per speculative step (accepted drafts + the token of the step)."""
+        if not self.num_spec_steps:
+            return None
+        return 1.0 + self.num_accepted_tokens / self.num_spec_steps
 
     @property
     def ttft(self) -> float | None:
@@ -86,6 +97,9 @@ class RequestMetrics:
             "cached_prompt_tokens": self.num_cached_tokens,
             "positions_processed": self.positions_processed,
             "preemptions": self.num_preemptions,
+            "draft_tokens": self.num_draft_tokens,
+            "accepted_tokens": self.num_accepted_tokens,
+            "mean_accepted_length": self.mean_accepted_length,
         }
 
 
@@ -117,6 +131,10 @@ class Request:
         self.stop_reason: int | str | None = None
         # n > 1: siblings sampled from this request's first logits, then forked from it.
         self.fork_samples: list[tuple[str, SamplingParams]] = []
+        # Draft tokens proposed for the next step (speculative decoding). They run after
+        # the next token and are verified against the model; none is part of the output
+        # until accepted.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -20,7 +20,7 @@ No tensors here (see batch.py for what the runner receives).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from kvloop.batch import ScheduledSeq, SchedulerOutput
@@ -136,7 +136,9 @@ class Scheduler:
             if n == 0:  # a beam waiting for its siblings' step: nothing to run
                 i += 1
                 continue
-            while not self.kv.allocate(req, n):
+            # Draft tokens ride behind a decode's token, as far as the budget allows.
+            k = self._num_drafts(req, n, budget)
+            while not self.kv.allocate(req, n + k):
                 victim = self._pick_victim(self.running[i:])
                 self._preempt(victim)
                 preempted = True
@@ -146,8 +148,8 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted itself: the list shrank, i already points past it
             scheduled.append(req)
-            budget -= n
-            self._add_to_output(out, req, n)
+            budget -= n + k
+            self._add_to_output(out, req, n, k)
             i += 1
 
         # 2. Waiting requests, in queue order, while budget, seats and blocks allow.
@@ -173,21 +175,41 @@ class Scheduler:
         out.blocks_to_copy = self.kv.take_copies()
         return out
 
-    def commit(self, out: SchedulerOutput) -> None:
+    def commit(self, out: SchedulerOutput,
+               num_accepted: Mapping[str, int] | None = None) -> None:
         """The step's forward returned: advance each scheduled sequence by the tokens it ran
         and hash the blocks that became full of computed tokens.
 
         Only here, after the forward, does progress count. A forward that raises leaves
         every scheduled request as it was (the engine then fails them), and a block half
         written by it is never registered as a prefix-cache hit for a later request.
+
+        `num_accepted`: per sequence that ran draft tokens, how many of them the model
+        accepted (a leading run). The keys and values of the rejected ones are dropped:
+        progress stops before them and blocks holding nothing else go back to the pool.
         """
         for seq in out.seqs:
             req = self.requests.get(seq.request_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished or aborted since it was scheduled
-            req.num_computed_tokens = seq.context_len
             req.metrics.positions_processed += seq.num_tokens
-            self.kv.cache_full_blocks(req)
+            if not seq.num_draft:
+                req.num_computed_tokens = seq.context_len
+                self.kv.cache_full_blocks(req)
+                continue
+            accepted = (num_accepted or {}).get(seq.request_id, 0)
+            if not 0 <= accepted <= seq.num_draft:
+                raise ValueError(f"{seq.request_id}: {accepted} of {seq.num_draft} drafts "
+                                 f"accepted")
+            req.num_computed_tokens = seq.context_len - (seq.num_draft - accepted)
+            m = req.metrics
+            m.num_draft_tokens += seq.num_draft
+            m.num_accepted_tokens += accepted
+            m.num_spec_steps += 1
+            self.kv.truncate(req.request_id, req.num_computed_tokens)
+            # The accepted drafts are committed tokens, though the engine appends them to
+            # the request's output only after this.
+            self.kv.cache_full_blocks(req, req.all_token_ids + seq.draft_token_ids[:accepted])
 
     def fork(self, parent: Request, child: Request) -> None:
         """Start `child` as a copy of `parent`'s progress, sharing its KV blocks."""
@@ -198,11 +220,22 @@ class Scheduler:
         self.requests[child.request_id] = child
         self.running.append(child)
 
-    def _add_to_output(self, out: SchedulerOutput, req: Request, n: int) -> None:
+    def _num_drafts(self, req: Request, n: int, budget: int) -> int:
+        """Draft tokens to run after the `n` scheduled tokens: only behind a decode's last
+        token, within the step's budget and the model's context."""
+        if not req.spec_token_ids or req.num_computed_tokens + n != req.num_tokens:
+            return 0
+        room = budget - n
+        if req.max_model_len is not None:
+            room = min(room, req.max_model_len - req.num_tokens)
+        return max(0, min(len(req.spec_token_ids), room))
+
+    def _add_to_output(self, out: SchedulerOutput, req: Request, n: int,
+                       num_draft: int = 0) -> None:
         start = req.num_computed_tokens
         seq = ScheduledSeq(
             request_id=req.request_id,
-            token_ids=req.token_slice(start, start + n),
+            token_ids=req.token_slice(start, start + n) + req.spec_token_ids[:num_draft],
             start_pos=start,
             block_ids=self.kv.block_ids(req.request_id),
             sample=start + n == req.num_tokens,
@@ -210,10 +243,11 @@ class Scheduler:
             prompt_ids=req.prompt_token_ids,
             output_ids=req.output_token_ids,
             suppress_ids=req.suppressed_token_ids(),
+            num_draft=num_draft,
         )
         if seq.sample and req.fork_samples:
             seq.fork_samples = list(req.fork_samples)
-        (out.decodes if n == 1 and start > 0 else out.prefills).append(seq)
+        (out.decodes if seq.num_tokens == 1 and start > 0 else out.prefills).append(seq)
 
     @staticmethod
     def _pick_victim(candidates: list[Request]) -> Request:
@@ -225,6 +259,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = RequestStatus.PREEMPTED
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1
