@@ -164,8 +164,12 @@ _V1_ERRORS = {
 
 
 def _v1_responses(model: type) -> dict[int | str, dict[str, Any]]:
-    ok: dict[str, Any] = {"model": model, "content": {"text/event-stream": {
-        "schema": {"type": "string", "description": "server-sent events when stream is true"}}}}
+    # With stream: true, server-sent events; the schema describes one event, as OpenAPI
+    # before 3.2 reads it: its data is a JSON chunk, an error object, or [DONE].
+    event = {"type": "object", "required": ["data"], "properties": {
+        "data": {"type": "string", "contentMediaType": "application/json"},
+        "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
+    ok: dict[str, Any] = {"model": model, "content": {"text/event-stream": {"schema": event}}}
     return {200: ok, **{code: {**_ERROR, "description": why} for code, why in _V1_ERRORS.items()}}
 
 
