@@ -16,6 +16,7 @@ from kvloop.models.attention import causal_prefix_mask, flat_kv_index
 from kvloop.models.native import build_native_decoder, native_prefill_ready
 from kvloop.params import SamplingParams
 from kvloop.sampling import Sampler, SamplingRow
+from kvloop.sampling.rejection import verify_drafts
 
 NATIVE_MAX_ROWS = 64
 # Prefill chunks up to this many tokens run in the native step. Its attention kernel
@@ -42,8 +43,14 @@ class SampledToken:
 
 @dataclass
 class RunnerOutput:
-    sampled: dict[str, SampledToken]  # only sequences whose step ends in a sample
+    # Only sequences whose step ends in a sample: the tokens each gained, in order (one,
+    # or a sequence's accepted drafts and the token after them).
+    sampled: dict[str, list[SampledToken]]
     num_tokens: int  # positions the model processed this step
+
+    def num_accepted(self) -> dict[str, int]:
+        """Accepted draft tokens per sequence that gained more than one token."""
+        return {rid: len(toks) - 1 for rid, toks in self.sampled.items() if len(toks) > 1}
 
 
 def kv_cache_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int,
@@ -120,32 +127,66 @@ class ModelRunner:
             hidden, num_tokens = self._forward(sched)  # [T, hidden]
 
         # Logits only where a token is sampled: each sequence's last row, if it samples
-        # (n > 1 siblings draw from the same row, each with its own generator).
+        # (n > 1 siblings draw from the same row, each with its own generator), and for a
+        # sequence with drafts, the row of its token and of each draft.
         hidden_rows: list[int] = []
         rows: list[SamplingRow] = []
         ids_out: list[str] = []
+        spec_hidden: list[int] = []
+        spec_rows: list[SamplingRow] = []
+        spec_drafts: list[list[int]] = []
+        spec_ids: list[str] = []
         last = -1
         for s in seqs:
             last += s.num_tokens
             if not s.sample:
+                continue
+            if s.num_draft:
+                spec_hidden.extend(range(last - s.num_draft, last + 1))
+                spec_rows.extend(self._draft_rows(s))
+                spec_drafts.append(s.draft_token_ids)
+                spec_ids.append(s.request_id)
                 continue
             for rid, params in [(s.request_id, s.params), *s.fork_samples]:
                 hidden_rows.append(last)
                 rows.append(SamplingRow(params, s.prompt_ids, s.output_ids,
                                         self._generator(rid, params), s.suppress_ids))
                 ids_out.append(rid)
-        if not rows:
+        if not rows and not spec_rows:
             return RunnerOutput({}, num_tokens)
-        sel = hidden[hidden_rows]  # [N, hidden]
-        if self.decoder is not None and len(hidden_rows) <= self.native_max_rows:
+        all_rows = hidden_rows + spec_hidden
+        sel = hidden[all_rows]  # [N, hidden]
+        if self.decoder is not None and len(all_rows) <= self.native_max_rows:
             logits = self.decoder.logits(sel)  # [N, V]
         else:
             logits = self.model.compute_logits(sel)
-        out = self.sampler(logits, rows)
-        ids, lps = out.token_ids.tolist(), out.logprobs.tolist()
-        sampled = {rid: SampledToken(ids[i], lps[i], out.top_logprobs[i])
-                   for i, rid in enumerate(ids_out)}
+        sampled: dict[str, list[SampledToken]] = {}
+        if rows:
+            out = self.sampler(logits[: len(rows)], rows)
+            ids, lps = out.token_ids.tolist(), out.logprobs.tolist()
+            for i, rid in enumerate(ids_out):
+                sampled[rid] = [SampledToken(ids[i], lps[i], out.top_logprobs[i])]
+        if spec_rows:
+            verified = verify_drafts(self.sampler, logits[len(rows):], spec_rows, spec_drafts)
+            for rid, toks in zip(spec_ids, verified, strict=True):
+                sampled[rid] = [SampledToken(t.token_id, t.logprob, t.top_logprobs)
+                                for t in toks]
         return RunnerOutput(sampled, num_tokens)
+
+    def _draft_rows(self, s: ScheduledSeq) -> list[SamplingRow]:
+        """The k + 1 sampling rows of a sequence with k drafts: row i follows the output
+        so far plus drafts[:i], which its penalties and min_tokens see as history."""
+        p = s.params
+        gen = self._generator(s.request_id, p)
+        drafts = s.draft_token_ids
+        uses_history = (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                        or p.frequency_penalty != 0.0)
+        rows = []
+        for i in range(len(drafts) + 1):
+            history = [*s.output_ids, *drafts[:i]] if uses_history and i else s.output_ids
+            suppress = s.suppress_ids if len(s.output_ids) + i < p.min_tokens else ()
+            rows.append(SamplingRow(p, s.prompt_ids, history, gen, suppress))
+        return rows
 
     def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, int]:
         """The PyTorch modules over the step's flattened tokens: [T, hidden] and T."""

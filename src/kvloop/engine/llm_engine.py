@@ -36,6 +36,7 @@ from kvloop.request import Request, RequestStatus
 from kvloop.runner import ModelRunner, SampledToken, kv_cache_bytes_per_block
 from kvloop.sampling.beam import BeamSearch
 from kvloop.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from kvloop.spec import Proposer
 
 logger = logging.getLogger("kvloop.engine")
 
@@ -116,6 +117,14 @@ class LLMEngine:
             self.max_model_len = min(self.max_model_len, usable)
         self.runner = ModelRunner(self.model, ec.block_size, num_blocks, ec.use_cache,
                                   ec.use_kernels)
+        # Speculative decoding (off unless a proposer is set): drafts of up to
+        # num_speculative_tokens per sequence, adapted to each one's recent acceptance.
+        self.proposer: Proposer | None = None
+        self.num_speculative_tokens = 4
+        # A batch with more decoding sequences than this is compute-bound already: the
+        # extra query rows of drafts would cost more than the steps they save.
+        self.spec_max_batch = 8
+        self._spec_len: dict[str, int] = {}  # per sequence: drafts to ask for next step
         self._groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, _Group] = {}
         self._ids = itertools.count()
@@ -137,6 +146,7 @@ class LLMEngine:
         self.runner.reset()
         self._groups.clear()
         self._seq_to_group.clear()
+        self._spec_len.clear()
 
     # -- requests -----------------------------------------------------------------------------
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -261,13 +271,13 @@ class LLMEngine:
             logger.exception("the forward of step %d failed; failing its %d sequences",
                              self.num_steps, len(sched.seqs))
             return self._fail_step(sched, e)
-        self.scheduler.commit(sched)
+        self.scheduler.commit(sched, result.num_accepted())
         self.total_positions += result.num_tokens
         self.num_steps += 1
         now = time.perf_counter()
 
         # The step's sampled tokens, per user request (siblings and beams together).
-        per_group: dict[str, tuple[_Group, dict[str, SampledToken]]] = {}
+        per_group: dict[str, tuple[_Group, dict[str, list[SampledToken]]]] = {}
         for rid, tok in result.sampled.items():
             # An n > 1 sibling not yet forked is known only by its id: "<request id>#<i>".
             group = self._seq_to_group.get(rid) or self._groups.get(rid.rpartition("#")[0])
@@ -283,9 +293,41 @@ class LLMEngine:
                 outputs.append(self._fail_group(group, f"the request failed: {e!r}"))
             if group.finished:
                 self._forget(group)
+        if self.proposer is not None:
+            self._adapt_draft_lengths(sched, result.num_accepted())
+            self._propose_drafts()
         return outputs
 
-    def _advance(self, group: _Group, sampled: dict[str, SampledToken], now: float) -> None:
+    def _adapt_draft_lengths(self, sched: SchedulerOutput, accepted: dict[str, int]) -> None:
+        """Ask for one more draft than were accepted (all accepted: two more), so a
+        sequence whose guesses fail stops paying for long drafts."""
+        for s in sched.seqs:
+            if s.num_draft:
+                j = accepted.get(s.request_id, 0)
+                self._spec_len[s.request_id] = (min(self.num_speculative_tokens, j + 2)
+                                                if j == s.num_draft else j + 1)
+
+    def _propose_drafts(self) -> None:
+        """Drafts for the next step, for every sequence that will decode in it."""
+        assert self.proposer is not None
+        running = self.scheduler.running
+        speculate = len(running) <= self.spec_max_batch
+        for req in running:
+            req.spec_token_ids = []
+            if not speculate or req.num_computed_tokens != req.num_tokens - 1:
+                continue  # compute-bound batch, or still prefilling
+            group = self._seq_to_group.get(req.request_id)
+            if group is None or group.beam is not None:
+                continue  # beam search ranks whole beams: it never speculates
+            # Never draft past max_tokens (the step's own token counts too) or the context.
+            k = min(self._spec_len.get(req.request_id, self.num_speculative_tokens),
+                    req.params.max_tokens - len(req.output_token_ids) - 1,
+                    self.max_model_len - req.num_tokens)
+            if k > 0:
+                req.spec_token_ids = self.proposer.propose(req.all_token_ids, k)
+
+    def _advance(self, group: _Group, sampled: dict[str, list[SampledToken]],
+                 now: float) -> None:
         """Append this step's tokens to the group's sequences and finish the ones done."""
         finished: dict[RequestStatus, list[str]] = {}
         if group.num_pending_forks and group.seqs[0].request_id in sampled:
@@ -293,14 +335,15 @@ class LLMEngine:
             self._fork_siblings(group, sampled)
         if group.beam is not None:
             for rid, cand in sampled.items():
-                group.beam_candidates[rid] = cand.top_logprobs or []
+                group.beam_candidates[rid] = cand[0].top_logprobs or []
             if len(group.beam_candidates) == len(group.beam_scores):
                 self._beam_step(group, now)
             return
         for seq in group.seqs:
-            tok = sampled.get(seq.request_id)
-            if tok is not None:
-                self._append(seq, tok, now, finished)
+            for tok in sampled.get(seq.request_id, ()):
+                # A stop inside an accepted run ends the sequence: the rest is dropped.
+                if self._append(seq, tok, now, finished):
+                    break
         for status, ids in finished.items():
             self.scheduler.finish_requests(ids, status)
 
@@ -338,9 +381,11 @@ class LLMEngine:
         self._groups.pop(group.request_id, None)
         for rid in self._seq_ids(group):
             self._seq_to_group.pop(rid, None)
+            self._spec_len.pop(rid, None)
 
     def _append(self, seq: SeqOutputState, tok: SampledToken, now: float,
-                finished: dict[RequestStatus, list[str]]) -> None:
+                finished: dict[RequestStatus, list[str]]) -> bool:
+        """Add one token; True when it finished the sequence."""
         req = seq.request
         status = seq.append(tok.token_id, tok.logprob, tok.top_logprobs)
         m = req.metrics
@@ -349,10 +394,12 @@ class LLMEngine:
         m.last_token_time = now
         if m.first_token_time is None:
             m.first_token_time = now
-        if status is not None:
-            seq.finish(status)
-            m.finished_time = now
-            finished.setdefault(status, []).append(req.request_id)
+        if status is None:
+            return False
+        seq.finish(status)
+        m.finished_time = now
+        finished.setdefault(status, []).append(req.request_id)
+        return True
 
     def _new_seq(self, group: _Group, seq_id: str, params: SamplingParams,
                  parent: Request, index: int) -> SeqOutputState:
@@ -367,7 +414,7 @@ class LLMEngine:
         return SeqOutputState(req, IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids),
                               index)
 
-    def _fork_siblings(self, group: _Group, sampled: dict[str, SampledToken]) -> None:
+    def _fork_siblings(self, group: _Group, sampled: dict[str, list[SampledToken]]) -> None:
         parent = group.seqs[0].request
         for i, (sid, params) in enumerate(parent.fork_samples, start=1):
             if sid in sampled:

@@ -1,0 +1,177 @@
+"""Speculative decoding with n-gram lookup: exact for greedy, the target's distribution for
+sampling, and clean KV accounting whatever is accepted or rejected."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from kvloop.config import EngineConfig
+from kvloop.engine.llm_engine import LLMEngine
+from kvloop.params import SamplingParams
+from kvloop.runner import kv_cache_bytes_per_block
+from kvloop.sampling import Sampler, SamplingRow
+from kvloop.sampling.rejection import verify_drafts
+from kvloop.spec import NgramProposer
+
+# Repetitive prompts: lookup finds matches (and the tiny random model loops, so its own
+# output feeds the lookup too).
+PROMPTS = [
+    [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6],
+    [20, 21, 22, 20, 21, 22, 20, 21],
+    list(range(30, 60)) + list(range(30, 45)),
+    [100, 101, 102, 103],
+    [7] * 5,
+]
+
+
+def make_engine(model_dir, speculate: bool, **kw) -> LLMEngine:
+    engine = LLMEngine(str(model_dir), EngineConfig(block_size=16, **kw))
+    if speculate:
+        engine.proposer = NgramProposer(1, 3)
+    return engine
+
+
+def run(engine: LLMEngine, prompts, params) -> dict:
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params[i] if isinstance(params, list) else params)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    stats = engine.stats()
+    assert stats.kv.num_used_blocks == 0 and stats.num_running == stats.num_waiting == 0
+    return finals
+
+
+PARAMS = {
+    "plain": SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+    "penalties": SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                                repetition_penalty=1.3, presence_penalty=0.5,
+                                frequency_penalty=0.3),
+    "min_tokens_and_bias": SamplingParams(temperature=0, max_tokens=30, min_tokens=12,
+                                          logit_bias={5: 2.0, 6: -1.0}),
+    "logprobs": SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=3),
+    "short": SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+}
+
+
+@pytest.mark.parametrize("name", list(PARAMS))
+def test_greedy_with_ngram_drafts_is_token_identical(tiny_model_dir, name):
+    params = PARAMS[name]
+    base = run(make_engine(tiny_model_dir, False), PROMPTS, params)
+    engine = make_engine(tiny_model_dir, True)
+    spec = run(engine, PROMPTS, params)
+    drafted = accepted = 0
+    for rid, out in base.items():
+        a, b = out.outputs[0], spec[rid].outputs[0]
+        assert b.token_ids == a.token_ids, rid
+        assert b.text == a.text and b.finish_reason == a.finish_reason
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-4)
+        if params.logprobs:
+            assert [[t for t, _ in row] for row in b.top_logprobs] == \
+                   [[t for t, _ in row] for row in a.top_logprobs]
+        drafted += spec[rid].metrics.num_draft_tokens
+        accepted += spec[rid].metrics.num_accepted_tokens
+    if params.max_tokens > 3:
+        assert drafted > accepted  # some drafts were rolled back
+    if name in ("plain", "logprobs"):
+        assert accepted > 0  # (penalties steer the model away from repeating itself)
+
+
+def test_stop_string_inside_an_accepted_run(tiny_model_dir):
+    """A stop found in the middle of an accepted run ends the output there."""
+    probe = run(make_engine(tiny_model_dir, False), PROMPTS[:1],
+                SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    text = probe["r0"].outputs[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop],
+                            stop_token_ids=[probe["r0"].outputs[0].token_ids[25]])
+    a = run(make_engine(tiny_model_dir, False), PROMPTS[:1], params)["r0"].outputs[0]
+    b = run(make_engine(tiny_model_dir, True), PROMPTS[:1], params)["r0"].outputs[0]
+    assert (b.text, b.token_ids, b.finish_reason, b.stop_reason) == \
+           (a.text, a.token_ids, a.finish_reason, a.stop_reason)
+
+
+def test_greedy_identical_in_a_mixed_batch_with_chunked_prefill_and_preemption(
+        tiny_model_dir):
+    prompts = [p * 3 for p in PROMPTS] * 3
+    params = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)] * len(prompts)
+    params[1] = SamplingParams(max_tokens=20, num_beams=2)  # never speculates
+    # A small pool (preemption) and a small token budget (chunked prefill).
+    kw = dict(kv_cache_memory=40 * kv_cache_bytes_per_block(2, 2, 16, 16),
+              max_num_batched_tokens=32)
+    base_engine = make_engine(tiny_model_dir, False, **kw)
+    base = run(base_engine, prompts, params)
+    engine = make_engine(tiny_model_dir, True, **kw)
+    engine.spec_max_batch = 64
+    spec = run(engine, prompts, params)
+    assert engine.scheduler.num_preemptions > 0
+    for rid, out in base.items():
+        assert [c.token_ids for c in spec[rid].outputs] == [c.token_ids for c in out.outputs]
+    assert spec["r1"].metrics.num_draft_tokens == 0
+    assert sum(o.metrics.num_accepted_tokens for o in spec.values()) > 0
+
+
+def test_no_drafts_when_the_batch_is_compute_bound(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, True)
+    engine.spec_max_batch = 2
+    outs = run(engine, PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    assert all(o.metrics.num_draft_tokens == 0 for o in outs.values())
+
+
+# -- sampling keeps the target's distribution ----------------------------------------------------
+
+
+def _next_token_frequencies(logits: torch.Tensor, params: SamplingParams, draft: int,
+                            trials: int, accept_all: bool) -> collections.Counter:
+    """First-token counts from verify_drafts over one draft token (or, as a negative
+    control, a 'verifier' that takes every draft)."""
+    sampler = Sampler()
+    gen = torch.Generator().manual_seed(1234)
+    counts: collections.Counter = collections.Counter()
+    for _ in range(trials):
+        rows = [SamplingRow(params, [1], [], gen), SamplingRow(params, [1], [draft], gen)]
+        if accept_all:
+            counts[draft] += 1
+            continue
+        toks = verify_drafts(sampler, logits, rows, [[draft]])[0]
+        counts[toks[0].token_id] += 1
+    return counts
+
+
+@pytest.mark.parametrize("accept_all", [False, True])
+def test_rejection_sampling_has_the_target_distribution(accept_all):
+    """Chi-square of first-token counts against the target's probabilities (temperature
+    and top-p applied); the negative control, accepting every draft, must fail it."""
+    torch.manual_seed(0)
+    vocab = 12
+    logits = torch.randn(2, vocab) * 1.5
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=4)
+    target = Sampler().process_logits(logits[:1], [SamplingRow(params, [1], [], None)])
+    p = target.softmax(dim=-1)[0]
+    draft = int(p.argsort()[-2])  # a likely but not the likeliest token
+    trials = 4000
+    counts = _next_token_frequencies(logits, params, draft, trials, accept_all)
+    support = [t for t in range(vocab) if p[t] > 0]
+    assert set(counts) <= set(support)
+    observed = [counts.get(t, 0) for t in support]
+    expected = [float(p[t]) * trials for t in support]
+    scale = trials / sum(expected)
+    _, pvalue = chisquare(observed, [e * scale for e in expected])
+    if accept_all:
+        assert pvalue < 1e-6
+    else:
+        assert pvalue > 1e-3
+
+
+def test_sampled_requests_with_drafts_finish_and_release(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, True)
+    params = SamplingParams(temperature=0.7, top_k=20, max_tokens=30, ignore_eos=True, seed=3)
+    outs = run(engine, PROMPTS, params)
+    assert all(len(o.outputs[0].token_ids) == 30 for o in outs.values())
+    assert sum(o.metrics.num_draft_tokens for o in outs.values()) > 0
