@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvloop.engine.llm_engine import LLMEngine
 from kvloop.loading.loader import DEFAULT_MODEL_FILE, default_model_path
 
 
@@ -111,3 +112,26 @@ def write_gguf(path: Path, tensors, arch: str = "llama", metadata=None) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def inject_forward_failure(engine: LLMEngine, at_step: int, seen: list[set[str]]) -> None:
+    """Make the forward of the engine's `at_step`-th execute call write garbage into the
+    KV slots of every position it runs (where the real forward writes), then raise, as a
+    kernel failing halfway would."""
+    real = engine.runner.execute
+    calls = {"n": 0}
+
+    def execute(sched):
+        calls["n"] += 1
+        seen.append({s.request_id for s in sched.seqs})
+        if calls["n"] != at_step:
+            return real(sched)
+        bs = engine.runner.block_size
+        for s in sched.seqs:
+            slots = [s.block_ids[p // bs] * bs + p % bs for p in range(s.start_pos,
+                                                                        s.context_len)]
+            for cache in engine.runner.kv_caches:
+                cache[:, :, slots] = 1e4
+        raise RuntimeError("injected forward failure")
+
+    engine.runner.execute = execute  # type: ignore[method-assign]

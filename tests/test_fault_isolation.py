@@ -15,6 +15,7 @@ import asyncio
 
 import pytest
 
+from conftest import inject_forward_failure
 from kvloop.config import EngineConfig
 from kvloop.engine.async_engine import (
     MAX_RESTARTS,
@@ -54,31 +55,10 @@ def assert_idle(engine: LLMEngine) -> None:
     assert not engine.has_unfinished_requests()
 
 
-def inject_forward_failure(engine: LLMEngine, at_step: int, seen: list[set[str]]) -> None:
-    """Make the forward of the engine's `at_step`-th execute call write garbage into every
-    KV slot its sequences own, then raise, as a kernel failing halfway would."""
-    real = engine.runner.execute
-    calls = {"n": 0}
-
-    def execute(sched):
-        calls["n"] += 1
-        seen.append({s.request_id for s in sched.seqs})
-        if calls["n"] != at_step:
-            return real(sched)
-        bs = engine.runner.block_size
-        for s in sched.seqs:
-            for cache in engine.runner.kv_caches:
-                for b in s.block_ids:
-                    cache[:, :, b * bs:(b + 1) * bs] = 1e4
-        raise RuntimeError("injected forward failure")
-
-    engine.runner.execute = execute  # type: ignore[method-assign]
-
-
 def test_scheduling_alone_commits_nothing(tiny_model_dir):
     """Until the forward returns, a scheduled prompt has no progress and no cached block."""
     engine = make_engine(tiny_model_dir)
-    engine.add_request("a", PREFIX + [7], greedy(2))
+    engine.add_request("a", [*PREFIX, 7], greedy(2))
     sched = engine.scheduler.schedule()
     req = engine.scheduler.requests["a"]
     assert [s.num_tokens for s in sched.seqs] == [len(PREFIX) + 1]
@@ -91,7 +71,7 @@ def test_scheduling_alone_commits_nothing(tiny_model_dir):
 
 def test_failed_forward_fails_exactly_its_step_and_poisons_no_prefix(tiny_model_dir):
     cold = make_engine(tiny_model_dir)
-    cold.add_request("probe", PREFIX + [99, 98], greedy(12))
+    cold.add_request("probe", [*PREFIX, 99, 98], greedy(12))
     cold.add_request("c", [3, 4, 5], greedy(12))
     expected = run_all(cold)
 
@@ -102,7 +82,7 @@ def test_failed_forward_fails_exactly_its_step_and_poisons_no_prefix(tiny_model_
     engine.add_request("a", [5, 6, 7], greedy(20))
     run_steps = [engine.step() for _ in range(2)]
     assert all(not o.finished for outs in run_steps for o in outs)
-    engine.add_request("b", PREFIX + [1, 2], greedy(12))  # prefilled in the failing step
+    engine.add_request("b", [*PREFIX, 1, 2], greedy(12))  # prefilled in the failing step
     engine.add_request("c", [3, 4, 5], greedy(12))
     failed = engine.step()
     assert seen[-1] == {"a", "b"}
@@ -113,7 +93,7 @@ def test_failed_forward_fails_exactly_its_step_and_poisons_no_prefix(tiny_model_
     # Nothing of theirs was committed: no positions counted, all their blocks back.
     assert engine.total_positions == 3 + 1  # a's prefill and one decode only
 
-    engine.add_request("probe", PREFIX + [99, 98], greedy(12))
+    engine.add_request("probe", [*PREFIX, 99, 98], greedy(12))
     finals = run_all(engine)
     assert set(finals) == {"c", "probe"}
     # "c" never ran in the failed step and is untouched by it; the probe shares the failed

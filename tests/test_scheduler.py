@@ -574,7 +574,7 @@ def spec_step(sched: Scheduler, drafts: dict[str, list[int]],
         req.spec_token_ids = []
         if not seq.sample:
             continue
-        new = seq.draft_token_ids[:accepted.get(seq.request_id, 0)] + [sample_token(req)]
+        new = [*seq.draft_token_ids[:accepted.get(seq.request_id, 0)], sample_token(req)]
         room = req.params.max_tokens - len(req.output_token_ids)
         req.output_token_ids.extend(new[:room])
         if len(req.output_token_ids) >= req.params.max_tokens:

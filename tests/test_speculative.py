@@ -9,6 +9,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from conftest import inject_forward_failure
 from kvloop.config import EngineConfig
 from kvloop.engine.llm_engine import LLMEngine
 from kvloop.params import SamplingParams
@@ -175,3 +176,30 @@ def test_sampled_requests_with_drafts_finish_and_release(tiny_model_dir):
     outs = run(engine, PROMPTS, params)
     assert all(len(o.outputs[0].token_ids) == 30 for o in outs.values())
     assert sum(o.metrics.num_draft_tokens for o in outs.values()) > 0
+
+
+def test_failed_speculative_step_commits_no_draft(tiny_model_dir):
+    """A forward that raises in a step verifying drafts commits none of them: the request
+    fails, its blocks are freed, and a request with the same prefix gets cold tokens."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompt = PROMPTS[0] * 4  # three full blocks, and lookup finds drafts at once
+    cold = run(make_engine(tiny_model_dir, False), [prompt], params)["r0"]
+
+    engine = make_engine(tiny_model_dir, True)
+    engine.add_request("victim", prompt, params)
+    victim = engine.scheduler.requests["victim"]
+    for _ in range(20):  # until lookup finds drafts (the model's output repeats itself)
+        engine.step()
+        if victim.spec_token_ids:
+            break
+    assert victim.spec_token_ids  # the next step verifies drafts: make it fail
+    committed = victim.num_computed_tokens
+    drafted = victim.metrics.num_draft_tokens
+    inject_forward_failure(engine, at_step=1, seen=[])
+    (failed,) = engine.step()
+    assert failed.finished and failed.error and "injected" in failed.error
+    assert victim.num_computed_tokens == committed  # nothing of the step committed
+    assert victim.metrics.num_draft_tokens == drafted
+    assert engine.stats().kv.num_used_blocks == 0
+    again = run(engine, [prompt], params)["r0"]
+    assert again.outputs[0].token_ids == cold.outputs[0].token_ids
