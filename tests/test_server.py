@@ -592,6 +592,16 @@ def test_serve_flags_defaults_and_api_key_env(monkeypatch: pytest.MonkeyPatch) -
     assert _serve_args("--max-body-bytes", "2KiB").max_body_bytes == 2048
     with pytest.raises(KvloopError, match="--port"):
         cmd_serve(_serve_args("--port", "70000"))  # refused before any model load
+    # Issue 10's limits: defaults, and nonsense refused before the model loads.
+    assert (args.max_prompts_per_request, args.default_max_tokens, args.shutdown_grace,
+            args.header_timeout, args.body_timeout, args.max_connections,
+            args.max_header_bytes) == (64, 1024, 30.0, 10.0, 30.0, 1024, 16384)
+    for flag, value in (("--max-prompts-per-request", "0"), ("--default-max-tokens", "-1"),
+                        ("--shutdown-grace", "-1"), ("--header-timeout", "0"),
+                        ("--body-timeout", "nan"), ("--max-connections", "0"),
+                        ("--max-header-bytes", "0")):
+        with pytest.raises(KvloopError, match=flag):
+            cmd_serve(_serve_args(flag, value))
 
 
 def _free_port() -> int:
