@@ -420,6 +420,27 @@ def test_unknown_route_and_method_keep_the_error_shape(client: httpx.Client) -> 
     assert_error(client.get("/v1/completions"), 405)
 
 
+def test_a_bug_in_a_route_is_one_500_logged_once(tiny_server: BackgroundServer,
+                                                 client: httpx.Client,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    serving = tiny_server.app.state.serving
+
+    def boom(*_: Any) -> list[list[int]]:
+        raise RuntimeError("simulated bug")
+
+    serving._encode_all = boom
+    try:
+        with caplog.at_level(logging.ERROR):
+            err = assert_error(client.post("/v1/completions", json={"prompt": PROMPT}), 500)
+    finally:
+        del serving._encode_all
+    assert err["type"] == "internal_error" and "simulated bug" in err["message"]
+    logged = [r for r in caplog.records if r.exc_info and "simulated bug" in str(r.exc_info[1])]
+    assert len(logged) == 1, logged
+    assert client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}
+                       ).status_code == 200
+
+
 def test_server_answers_correctly_after_bad_input(client: httpx.Client, tiny_llm: LLM) -> None:
     for case in BAD_COMPLETIONS:
         assert _post(client, "/v1/completions", case[1]).status_code == 400

@@ -24,7 +24,11 @@ from kvloop.engine.llm_engine import LLMEngine
 from kvloop.server.connections import DEFAULT_MAX_HEADER_BYTES
 from kvloop.server.errors import APIError, bad_request, from_validation_error
 from kvloop.server.metrics import ServerMetrics
-from kvloop.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from kvloop.server.middleware import (
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+    CrashGuardMiddleware,
+)
 from kvloop.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -106,12 +110,9 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None) -> Fas
         return APIError(exc.status_code, str(exc.detail), kind,
                         headers=dict(exc.headers or {})).response()
 
-    @app.exception_handler(Exception)
-    async def _crash(_: Request, exc: Exception) -> Response:
-        # A bug in a handler is one failed request, never a dead server.
-        logger.exception("unhandled error")
-        return APIError(500, f"internal error: {exc!r}", "internal_error").response()
-
+    # Added first = innermost: a handler's bug is caught below Starlette's server-error
+    # layer, which would log it again and re-raise it for uvicorn to log a third time.
+    app.add_middleware(CrashGuardMiddleware)
     # Added last = outermost: the key is checked before a byte of the body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:

@@ -1,14 +1,17 @@
 """Two gates every request passes before any route runs: the API key (on /v1 routes only)
 and the body-size limit. Plain ASGI, so a refused body is never parsed, nor read past
-the limit."""
+the limit. And one net under the routes: a bug is one failed request, logged once."""
 
 from __future__ import annotations
 
 import hmac
+import logging
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvloop.server.errors import APIError
+
+logger = logging.getLogger("kvloop.server")
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -95,3 +98,31 @@ class BodyLimitMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+
+class CrashGuardMiddleware:
+    """An exception a route did not turn into an APIError: logged once, answered with a
+    500 in the OpenAI shape if no response has begun, and not raised further (a dead
+    handler must never look like a dead server)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            logger.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            if not started:
+                error = APIError(500, f"internal error: {exc!r}", "internal_error")
+                await error.response()(scope, receive, send)
