@@ -274,6 +274,8 @@ def test_line_separators_are_escaped_in_json_and_sse(tiny_model_dir: Path) -> No
             httpx.Client(base_url=server.url, timeout=60) as c:
         r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3})
         assert "\u2028" not in r.text and r.json()["model"] == name
+        models = c.get("/v1/models")
+        assert "\u2028" not in models.text and models.json()["data"][0]["id"] == name
         lines = 0
         with c.stream("POST", "/v1/completions",
                       json={"prompt": "Hi", "max_tokens": 8, "stream": True}) as s:

@@ -37,6 +37,7 @@ from kvloop.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    SafeJSONResponse,
 )
 from kvloop.server.serving import DEFAULT_MAX_PROMPTS, DEFAULT_MAX_TOKENS, OpenAIServing
 
@@ -83,7 +84,8 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None) -> Fas
         finally:
             async_engine.shutdown()
 
-    app = FastAPI(title="kvloop", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="kvloop", version="0.1.0", lifespan=lifespan,
+                  default_response_class=SafeJSONResponse)
     app.state.async_engine = async_engine
     app.state.metrics = metrics
     app.state.serving = serving  # the shutdown drain reaches the live jobs through it

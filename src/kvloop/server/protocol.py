@@ -9,6 +9,7 @@ API reject the same values with the same words.
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import Annotated, Any, Literal
 
@@ -230,13 +231,17 @@ class ErrorResponse(_Out):
     error: ErrorBody
 
 
+# Written as \uXXXX escapes: U+2028/U+2029 are line breaks to JavaScript and to splitters
+# like Python's str.splitlines (httpx's aiter_lines), which would cut an SSE event in two;
+# a lone surrogate (from a client's "\ud800" echoed in an error) cannot be encoded as UTF-8.
+_UNSAFE = re.compile("[\u2028\u2029\ud800-\udfff]")
+
+
 def dumps(data: Any) -> str:
-    """Compact JSON, UTF-8 kept, but U+2028/U+2029 escaped: they are line breaks to
-    JavaScript and to splitters like Python's str.splitlines (httpx's aiter_lines), which
-    would cut an SSE event in two. They can only occur inside strings, so the escape is
-    always valid JSON."""
+    """Compact JSON, UTF-8 kept except for the characters above. They can only occur
+    inside strings, so the escapes are always valid JSON."""
     text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
-    return text.replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+    return _UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 class SafeJSONResponse(JSONResponse):
