@@ -135,6 +135,12 @@ class GuardedH11Protocol(H11Protocol):
             self._write_error(APIError(400, f"malformed HTTP request: {error or msg}",
                                        code="invalid_http"))
 
+    def shutdown(self) -> None:
+        if self._lingering:  # already answered and on its way out; h11 may be in ERROR
+            self.transport.close()
+            return
+        super().shutdown()
+
     # -- timers -------------------------------------------------------------------------------
     def _arm_header_timer(self) -> None:
         self._cancel_header_timer()

@@ -19,6 +19,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from kvloop.engine.async_engine import (
     AsyncEngine,
@@ -84,6 +85,22 @@ class _Delta:
     text: str
     token_ids: list[int]
     ending: bool
+
+
+class _JobStream(StreamingResponse):
+    """A streamed answer that settles its job however the response ends: a client gone
+    before the body generator first ran cancels it unstarted, and an unstarted
+    generator's `finally` never runs."""
+
+    def __init__(self, on_close: Callable[[], None], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 class OpenAIServing:
@@ -379,8 +396,8 @@ class OpenAIServing:
                     yield job.failure.sse()
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(body(), media_type="text/event-stream",
-                                 headers={**_SSE_HEADERS, **_id_header(job)})
+        return _JobStream(lambda: self._done(job), body(), media_type="text/event-stream",
+                          headers={**_SSE_HEADERS, **_id_header(job)})
 
     # -- streaming ------------------------------------------------------------------------------
     async def _deltas(self, job: _Job, finals: dict[int, RequestOutput]
