@@ -207,7 +207,7 @@ def test_sigterm_long_grace_lets_everything_finish(tiny_model_dir: Path,
     assert all(out.done for out in streams)
 
 
-def test_sigterm_idle_server_exits_0_at_once(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_sigint_idle_server_exits_0_at_once(tiny_model_dir: Path, tmp_path: Path) -> None:
     with kvloop_serve(tiny_model_dir, tmp_path) as server:
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGINT)
