@@ -153,6 +153,9 @@ def run_load(server: Server, body: dict, late: bool = True
                 await asyncio.sleep(0.3)
                 async with httpx.AsyncClient(base_url=server.url, timeout=10) as fresh:
                     refused = await fresh.post("/v1/completions", json=body)
+                    health = await fresh.get("/health")  # load balancers: stop routing here
+                    assert health.status_code == 503, health.text
+                    assert health.json()["error"]["code"] == "shutting_down"
             return (list(await asyncio.gather(*streams)), list(await asyncio.gather(*plains)),
                     refused)
 
