@@ -439,3 +439,25 @@ def test_no_full_sort(params: dict[str, Any]) -> None:
 def test_the_sort_guard_works(no_sort: None) -> None:
     with pytest.raises(AssertionError, match="sorted"):
         Sampler()(rand_logits(1), [row(top_p=0.9)])
+
+
+@pytest.mark.parametrize("penalty", [0.01, 100.0])
+def test_extremes_of_the_allowed_ranges_give_finite_logits(penalty: float) -> None:
+    """SamplingParams refuses repetition_penalty 1e-300 (positive logits / 1e-300 became inf
+    and the softmax NaN); at the ends of what it accepts, combined with every other control at
+    its own extreme, the processed logits of seen tokens stay finite and the draw is a
+    valid token (only masked-out tokens are -inf)."""
+    seen = list(range(0, V, 2))
+    rows = [
+        row(prompt=seen, output=seen[:4], temperature=temp, seed=3, repetition_penalty=penalty,
+            presence_penalty=pres, frequency_penalty=-pres, logit_bias={0: 100.0, 1: -100.0})
+        for temp, pres in ((1e-5, 2.0), (100.0, -2.0), (0.0, 2.0))
+    ]
+    logits = rand_logits(len(rows), seed=4) * 30.0  # far wider than a real model's logits
+    processed = Sampler().process_logits(logits, rows)
+    assert not processed.isnan().any()
+    assert processed.isfinite().all()  # no filter is on: nothing is masked
+    assert not processed.softmax(-1).isnan().any()
+    out = Sampler()(logits, rows)
+    assert ((out.token_ids >= 0) & (out.token_ids < V)).all()
+    assert out.logprobs.isfinite().all()
