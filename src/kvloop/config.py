@@ -1,4 +1,4 @@
-"""Configuration dataclasses. Imports nothing of kvloop.
+"""Configuration dataclasses. Imports nothing of kvloop but its errors.
 
 ``ModelConfig`` is the one place a model's hyper-parameters live: the loader fills it from
 GGUF metadata or ``config.json``; the model reads it and nothing else.
@@ -6,7 +6,11 @@ GGUF metadata or ``config.json``; the model reads it and nothing else.
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
+
+from kvloop.errors import InvalidParamsError
 
 
 @dataclass(frozen=True)
@@ -46,23 +50,75 @@ class ModelConfig:
         return L * per_layer + emb + head + d
 
 
-def parse_size(text: str | int) -> int:
-    """'2GiB' / '512MB' / '1.5G' / 1048576 -> bytes."""
-    if isinstance(text, int):
-        return text
-    s = text.strip().upper().replace(" ", "")
-    units = {"TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10,
-             "TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3,
-             "T": 2**40, "G": 2**30, "M": 2**20, "K": 2**10, "B": 1}
-    for unit, mult in units.items():
-        if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * mult)
-    return int(float(s))
+# Sizes above this are typos or attacks, not memory: 1 PiB.
+MAX_SIZE_BYTES = 2**50
+_SIZE_UNITS = {"TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10,
+               "TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3,
+               "T": 2**40, "G": 2**30, "M": 2**20, "K": 2**10, "B": 1}
+
+
+def parse_size(text: str | int, param: str | None = None) -> int:
+    """'2GiB' / '512MB' / '1.5G' / 1048576 -> bytes.
+
+    Anything that is not a finite, non-negative size of at most 1 PiB raises
+    InvalidParamsError (a ValueError) naming `param`: garbage, NaN, inf ('1e400'),
+    negative and absurd sizes never reach the engine as a traceback."""
+    what = param or "size"
+
+    def bad(rule: str) -> InvalidParamsError:
+        shown = repr(text) if len(repr(text)) <= 40 else repr(text)[:37] + "..."
+        return InvalidParamsError(f"{what} must be {rule}, got {shown}", param=param)
+
+    if isinstance(text, bool) or not isinstance(text, (int, float, str)):
+        raise bad("a size in bytes such as 2GiB, 512MB or 1048576")
+    if isinstance(text, str):
+        s = text.strip().upper().replace(" ", "").replace("_", "")
+        mult = 1
+        for unit, unit_mult in _SIZE_UNITS.items():
+            if s.endswith(unit):
+                s, mult = s[: -len(unit)], unit_mult
+                break
+        try:
+            number: float = float(s)
+        except ValueError:
+            raise bad("a size in bytes such as 2GiB, 512MB or 1048576") from None
+        value: float = number * mult
+    else:
+        value = text
+    if isinstance(value, float) and not math.isfinite(value):
+        raise bad("a finite size")
+    if value < 0:
+        raise bad("a size >= 0")
+    if value > MAX_SIZE_BYTES:
+        raise bad(f"at most {MAX_SIZE_BYTES} bytes (1 PiB)")
+    return int(value)
+
+
+# The weight-only quantization modes; kept equal to kvloop.quant.QUANTIZATIONS (a test checks)
+# because config sits below quant in the layers and must not import it.
+QUANTIZATIONS = ("none", "int8", "int4")
+MAX_BLOCK_SIZE = 1024  # tokens per KV block: larger only wastes the last block's slots
+MAX_NUM_SEQS = 65536
+MAX_THREADS_UNKNOWN_CPUS = 1024  # where os.cpu_count() cannot tell
+MAX_TOKENS_LIMIT = 2**31 - 1  # token counts and positions live in int32/int64 tensors
+# The least context a KV cache must hold (or the model's whole context, if smaller): below it
+# a kv_cache_memory typo (1 instead of 1GiB) would silently run a 16-token model.
+MIN_KV_CACHE_TOKENS = 256
+
+
+def _cpu_count() -> int | None:
+    return os.cpu_count()
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine runs a model: cache, batching, threads."""
+    """How the engine runs a model: cache, batching, threads.
+
+    Checked on construction: every option out of range raises InvalidParamsError naming it
+    (the CLI prints it as one line), so a bad option never reaches the engine, where
+    max_num_batched_tokens=0 hung and block_size=0 divided by zero. kv_cache_memory may be
+    given as a size string ("2GiB"); it is parsed here and stored as bytes.
+    """
 
     use_cache: bool = True
     block_size: int = 16
@@ -78,3 +134,65 @@ class EngineConfig:
     use_kernels: bool = True
     # Weight-only quantization of the linear layers: "none" (fp32), "int8" or "int4".
     quantization: str = "none"
+
+    def __post_init__(self) -> None:
+        for name in ("use_cache", "enable_prefix_caching", "pack_weights", "use_kernels"):
+            if not isinstance(getattr(self, name), bool):
+                raise _bad(name, getattr(self, name), "true or false")
+        _check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
+        _check_int("max_num_seqs", self.max_num_seqs, 1, MAX_NUM_SEQS)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, MAX_TOKENS_LIMIT)
+        if self.max_model_len is not None:
+            # Two positions at least: one prompt token and one generated.
+            _check_int("max_model_len", self.max_model_len, 2, MAX_TOKENS_LIMIT)
+        if self.num_threads is not None:
+            # More threads than CPUs only makes them wait on each other (--threads 1000 ran
+            # at 0.5 tok/s instead of 36).
+            cpus = _cpu_count()
+            if (isinstance(self.num_threads, bool) or not isinstance(self.num_threads, int)
+                    or not 1 <= self.num_threads <= (cpus or MAX_THREADS_UNKNOWN_CPUS)):
+                raise _bad("num_threads", self.num_threads,
+                           f"an integer >= 1 and <= {cpus} (this machine has {cpus} CPUs)"
+                           if cpus else f"an integer >= 1 and <= {MAX_THREADS_UNKNOWN_CPUS}")
+        if self.quantization not in QUANTIZATIONS:
+            raise _bad("quantization", self.quantization, f"one of {', '.join(QUANTIZATIONS)}")
+        size = parse_size(self.kv_cache_memory, param="kv_cache_memory")
+        if size < 1:
+            raise _bad("kv_cache_memory", self.kv_cache_memory, "at least 1 byte")
+        object.__setattr__(self, "kv_cache_memory", size)  # frozen: set once, here
+
+    def check_kv_capacity(self, bytes_per_block: int, model_context: int) -> int:
+        """How many KV blocks kv_cache_memory holds; InvalidParamsError if that is too few.
+
+        `bytes_per_block`: K and V of one block over all layers; `model_context`: the context
+        the engine will serve (the model's, capped by max_model_len). The cache must hold at
+        least min(model_context, MIN_KV_CACHE_TOKENS) tokens: otherwise a typo such as
+        kv_cache_memory=1 would silently serve a one-block (16-token) context. Without a
+        cache (use_cache False) nothing is stored and nothing is checked: returns 0.
+        """
+        if not self.use_cache:
+            return 0
+        if bytes_per_block < 1 or model_context < 1:
+            raise ValueError("bytes_per_block and model_context must be >= 1")  # engine bug
+        size = parse_size(self.kv_cache_memory, param="kv_cache_memory")
+        blocks = size // bytes_per_block
+        need_tokens = min(model_context, MIN_KV_CACHE_TOKENS)
+        need_blocks = -(-need_tokens // self.block_size)
+        if blocks < need_blocks:
+            raise InvalidParamsError(
+                f"kv_cache_memory {size} bytes holds {blocks} KV blocks of {self.block_size} "
+                f"tokens ({bytes_per_block} bytes each); at least {need_blocks} "
+                f"({need_blocks * bytes_per_block} bytes, a {need_tokens}-token context) are "
+                f"needed: raise kv_cache_memory", param="kv_cache_memory")
+        return blocks
+
+
+def _bad(name: str, value: object, rule: str) -> InvalidParamsError:
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    return InvalidParamsError(f"{name} must be {rule}, got {shown}", param=name)
+
+
+def _check_int(name: str, value: object, lo: int, hi: int) -> None:
+    # bool is an int subclass, but block_size=True is a mistake, not a size of 1.
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise _bad(name, value, f"an integer >= {lo} and <= {hi}")

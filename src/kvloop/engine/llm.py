@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -16,16 +17,31 @@ from tqdm.auto import tqdm
 from kvloop.config import EngineConfig
 from kvloop.engine.llm_engine import LLMEngine
 from kvloop.engine.outputs import RequestOutput
+from kvloop.errors import InvalidParamsError
 from kvloop.params import SamplingParams
 
 Messages = list[dict[str, str]]
 Prompt = str | list[int]
 
 
+def engine_config(**options: Any) -> EngineConfig:
+    """EngineConfig from keyword options; an unknown name is an InvalidParamsError (a typo
+    such as `kv_cache_mem=` would otherwise be a TypeError from the dataclass)."""
+    known = {f.name for f in fields(EngineConfig)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise InvalidParamsError(
+            f"unknown engine option {unknown[0]!r}; the options are {', '.join(sorted(known))}",
+            param=unknown[0])
+    return EngineConfig(**options)
+
+
 class LLM:
     def __init__(self, model: str | Path | None = None, **engine_options: Any) -> None:
-        """`engine_options` are EngineConfig fields (use_cache, kv_cache_memory, ...)."""
-        self.engine = LLMEngine(model, EngineConfig(**engine_options))
+        """`engine_options` are EngineConfig fields (use_cache, kv_cache_memory, ...).
+
+        A bad option raises InvalidParamsError naming it before the model is loaded."""
+        self.engine = LLMEngine(model, engine_config(**engine_options))
         self.tokenizer = self.engine.tokenizer
 
     # -- batch ---------------------------------------------------------------------------------
