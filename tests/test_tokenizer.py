@@ -86,8 +86,13 @@ def hf_tok() -> Any:
 def test_encode_matches_transformers(
     tok: Tokenizer, hf_tok: Any, text: str, add_special_tokens: bool
 ):
-    assert tok.encode(text, add_special_tokens) == hf_tok.encode(
+    """parse_special=True is transformers' default; the plain-text default is its
+    split_special_tokens=True."""
+    assert tok.encode(text, add_special_tokens, parse_special=True) == hf_tok.encode(
         text, add_special_tokens=add_special_tokens
+    )
+    assert tok.encode(text, add_special_tokens) == hf_tok.encode(
+        text, add_special_tokens=add_special_tokens, split_special_tokens=True
     )
 
 
@@ -97,7 +102,7 @@ def test_encode_matches_transformers(
 def test_decode_matches_transformers(
     tok: Tokenizer, hf_tok: Any, text: str, skip_special_tokens: bool
 ):
-    ids = tok.encode(text)
+    ids = tok.encode(text, parse_special=True)
     assert tok.decode(ids, skip_special_tokens) == hf_tok.decode(
         ids, skip_special_tokens=skip_special_tokens
     )
@@ -111,10 +116,10 @@ def test_decode_round_trips(tok: Tokenizer, text: str):
 
 @pytest.mark.slow
 def test_special_tokens_in_text_are_single_ids_and_skippable(tok: Tokenizer):
-    ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>", parse_special=True)
     assert ids[0] == 1 and ids[-1] == 2
     assert tok.decode(ids) == "user\nhi"
-    assert tok.encode("<|im_start|>", add_special_tokens=False) == [1]
+    assert tok.encode("<|im_start|>", add_special_tokens=False, parse_special=True) == [1]
 
 
 @pytest.mark.slow
@@ -264,9 +269,10 @@ def test_chat_template_errors_are_clear(tmp_path: Path):
 
 def test_chat_template_is_sandboxed_and_tojson_keeps_text(tmp_path: Path):
     escape = "{{ messages.__class__.__mro__ }}"
-    tok = Tokenizer.from_hf_dir(tiny_hf_dir(tmp_path, {"chat_template": escape}))
-    with pytest.raises(KvloopError):
-        tok.apply_chat_template([])
+    # It fails on every sample chat, so it is refused at load, in one line.
+    with pytest.raises(ModelLoadError, match="fails on a sample chat") as info:
+        Tokenizer.from_hf_dir(tiny_hf_dir(tmp_path, {"chat_template": escape}))
+    assert "\n" not in str(info.value)
     tok = Tokenizer.from_hf_dir(tiny_hf_dir(tmp_path, {"chat_template": "{{ tools | tojson }}"}))
     rendered = tok.apply_chat_template([], tools=[{"name": "a<b>&ü"}])
     assert rendered == '[{"name": "a<b>&ü"}]'
@@ -305,12 +311,16 @@ def test_gguf_byte_level_eot_and_user_defined_tokens():
     md["tokenizer.ggml.eot_token_id"] = tokens.index("<|eot|>")
     tok = Tokenizer.from_gguf_metadata(md)
     assert tok.eos_token_ids == (tokens.index("<|end|>"), tokens.index("<|eot|>"))
-    ids = tok.encode("hello<think>x<|eot|>")
+    ids = tok.encode("hello<think>x<|eot|>", parse_special=True)
     assert ids[0] == tokens.index("hello")
     assert tokens.index("<think>") in ids and ids[-1] == tokens.index("<|eot|>")
     # USER_DEFINED tokens are matched whole but are ordinary text; CONTROL ones are skipped.
     assert tok.decode(ids) == "hello<think>x"
     assert tok.decode(tok.encode("héllo 😀 wow")) == "héllo 😀 wow"
+    # By default a control token's text is text: no control id (<think> is not special).
+    plain = tok.encode("hello<think>x<|eot|>")
+    assert tokens.index("<|eot|>") not in plain and tokens.index("<think>") in plain
+    assert tok.decode(plain) == "hello<think>x<|eot|>"
 
 
 def test_gguf_add_bos_token_flag():
@@ -371,10 +381,10 @@ def test_gguf_sentencepiece_matches_transformers(arch: str):
     }
     reference, _ = ggml.convert_gguf_tokenizer(arch, reference_input)
     for text in SPM_TEXTS:
-        assert tok.encode(text, add_special_tokens=False) == reference.encode(
+        assert tok.encode(text, add_special_tokens=False, parse_special=True) == reference.encode(
             text, add_special_tokens=False
         ).ids
-        assert tok.decode(tok.encode(text)) == reference.decode(
+        assert tok.decode(tok.encode(text, parse_special=True)) == reference.decode(
             reference.encode(text, add_special_tokens=False).ids
         )
 

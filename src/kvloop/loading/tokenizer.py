@@ -15,9 +15,19 @@ metadata under llama.cpp's key names, and we rebuild the equivalent tokenizer fr
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+import math
+import re
+import secrets
+import string
+import sys
+import threading
+import time
+import types
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import cache
 from pathlib import Path
@@ -29,7 +39,7 @@ import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from kvloop.errors import KvloopError, ModelLoadError
+from kvloop.errors import InvalidParamsError, KvloopError, ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +144,20 @@ class Tokenizer:
         vocab_size: int | None = None,
     ) -> None:
         self._backend = backend
+        # User text must stay text: a copy of the backend that reads special-token strings
+        # (``<|im_end|>``) in its input as plain characters. Two copies rather than flipping
+        # `encode_special_tokens` per call: encode runs on several threads at once, and the
+        # flag is shared state. Neither copy is changed after this point.
+        self._text_backend = HFTokenizer.from_str(backend.to_str())
+        self._text_backend.encode_special_tokens = True
+        specials = sorted(
+            (t.content for t in backend.get_added_tokens_decoder().values() if t.special),
+            key=len, reverse=True,
+        )
+        # Finds special-token strings in user text; None when the vocabulary has none.
+        self._special_pattern = (
+            re.compile("|".join(re.escape(t) for t in specials)) if specials else None
+        )
         # Ids run 0..vocab_size-1 (the model's embedding rows); GGUF passes its token count.
         if vocab_size is None:
             vocab_size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
@@ -147,6 +171,8 @@ class Tokenizer:
         # The post-processor is the single source of truth for BOS/EOS; ask it once.
         added = backend.encode("", add_special_tokens=True).ids
         self.add_bos_token: bool = bos_token_id is not None and added[:1] == [bos_token_id]
+        if chat_template:
+            self._check_chat_template()
 
     # --- construction --------------------------------------------------------------------
     @classmethod
@@ -260,13 +286,19 @@ class Tokenizer:
     def eos_token(self) -> str | None:
         return self.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = True, parse_special: bool = False
+    ) -> list[int]:
         """Token ids of `text`; BOS (EOS) only if the model asks for it and add_special_tokens.
 
-        Special tokens written in the text (``<|im_start|>``) always become their single id,
-        as in transformers.
+        Special-token strings written in the text (``<|im_start|>``) are plain text by
+        default, so user text cannot forge control tokens; ``parse_special=True`` (for raw
+        prompts that really mean them) makes each its single id, as transformers does.
+        Text that is not valid Unicode (a lone surrogate) is an InvalidParamsError.
         """
-        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        _check_text(text, "prompt", "prompt")
+        backend = self._backend if parse_special else self._text_backend
+        return list(backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; bytes that are not valid UTF-8 come out as U+FFFD."""
@@ -286,9 +318,12 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         **template_vars: Any,
     ) -> str:
-        """Render the model's jinja2 chat template (sandboxed), as transformers does.
+        """Render the model's jinja2 chat template (sandboxed, within the TEMPLATE_* limits),
+        as transformers does.
 
         `template_vars` reach the template too (e.g. ``tools=[...]``, ``enable_thinking=False``).
+        Every failure is one KvloopError line: the template's own refusals ("roles must
+        alternate"), its bugs, and a TemplateLimitError when it runs over a limit.
         """
         if not self.chat_template:
             raise KvloopError(
@@ -309,24 +344,111 @@ class Tokenizer:
         }
         try:
             template = _compile_template(self.chat_template)
-            return template.render(
-                messages=[dict(m) for m in messages],
-                add_generation_prompt=add_generation_prompt,
-                **context,
-            )
-        except jinja2.TemplateError as e:
-            # raise_exception() in templates reports bad conversations ("roles must alternate").
-            raise KvloopError(f"chat template error: {e}") from e
+        except (jinja2.TemplateError, RecursionError, MemoryError) as e:
+            raise KvloopError(f"chat template does not compile: {_one_line(e)}") from None
+        return _render(
+            template,
+            messages=[dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            **context,
+        )
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
     ) -> list[int]:
         """Template, then encode without the automatic BOS: templates that want a BOS write
-        it themselves. If the model needs one and the template did not write it, add it."""
-        ids = self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+        it themselves. If the model needs one and the template did not write it, add it.
+
+        The template's own special tokens become control ids; special-token strings inside
+        the messages (content, names) stay plain text, so a user cannot forge a turn.
+        """
+        for i, m in enumerate(messages):
+            for key, value in m.items():
+                _check_strings(value, f"messages[{i}].{key}")
+        escaped, forged = self._escape_specials(messages)
+        if not forged:
+            # The usual case: no special-token text in any message, so the whole rendered
+            # string encodes exactly as before (BPE merges across the template/content
+            # boundaries included).
+            ids = self.encode(self.apply_chat_template(messages, add_generation_prompt), False,
+                              parse_special=True)
+        else:
+            ids = self._encode_escaped(
+                self.apply_chat_template(escaped, add_generation_prompt), forged
+            )
         if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    def _escape_specials(
+        self, messages: Sequence[Mapping[str, Any]]
+    ) -> tuple[list[dict[str, Any]], tuple[str, list[str]] | None]:
+        """`messages` with every special-token string in their text replaced by a placeholder
+        the template passes through untouched (private-use characters around a random
+        number: no case, no spaces, unguessable), and (placeholder tag, originals), or None
+        when no message holds a special-token string."""
+        pattern = self._special_pattern
+        if pattern is None:
+            return [dict(m) for m in messages], None
+        tag = str(secrets.randbits(64))
+        originals: list[str] = []
+
+        def sub(match: re.Match[str]) -> str:
+            originals.append(match.group(0))
+            return f"\ue000{tag}.{len(originals) - 1}\ue001"
+
+        def escape(value: Any) -> Any:
+            if isinstance(value, str):
+                return pattern.sub(sub, value)
+            if isinstance(value, Mapping):
+                return {k: escape(v) for k, v in value.items()}
+            if isinstance(value, list | tuple):
+                return [escape(v) for v in value]
+            return value
+
+        escaped = [{k: escape(v) for k, v in m.items()} for m in messages]
+        return escaped, ((tag, originals) if originals else None)
+
+    def _encode_escaped(self, rendered: str, forged: tuple[str, list[str]]) -> list[int]:
+        """Encode a template rendered over escaped messages: the template's text with special
+        tokens parsed, each escaped special-token string as plain text."""
+        tag, originals = forged
+        pieces = re.split(f"\ue000{tag}\\.(\\d+)\ue001", rendered)
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            if k % 2 == 0:  # template text (and the ordinary text around the forged tokens)
+                ids += self._backend.encode(piece, add_special_tokens=False).ids
+            else:
+                ids += self._text_backend.encode(
+                    originals[int(piece)], add_special_tokens=False
+                ).ids
+        return ids
+
+    def _check_chat_template(self) -> None:
+        """Render the template once on sample chats, under the render limits: a template
+        that does not compile, runs over a limit, or fails on every sample is refused
+        here, at load, rather than on every request. One that refuses a sample on purpose
+        (raise_exception: "roles must alternate") is fine; that is its job."""
+        assert self.chat_template is not None
+        try:
+            _compile_template(self.chat_template)
+        except (jinja2.TemplateError, RecursionError, MemoryError) as e:
+            raise ModelLoadError(f"chat template does not compile: {_one_line(e)}") from None
+        errors: list[KvloopError] = []
+        for sample in _SAMPLE_CHATS:
+            try:
+                self.apply_chat_template(sample)
+                return
+            except TemplateLimitError as e:
+                raise ModelLoadError(
+                    f"chat template refused: on a {len(sample)}-message sample chat it {e.what}"
+                ) from None
+            except KvloopError as e:
+                errors.append(e)
+        if any(isinstance(e.__cause__, _TemplateRaised) for e in errors):
+            logger.warning("the chat template refused every sample chat (%s)", errors[0])
+            return
+        raise ModelLoadError(f"chat template refused: it fails on a sample chat: {errors[0]}")
 
     def __repr__(self) -> str:
         return (
@@ -503,9 +625,382 @@ def _hf_chat_template(path: Path, config: Mapping[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
+# --- user text --------------------------------------------------------------------------------
+def _check_text(text: Any, param: str, where: str) -> None:
+    """Refuse text the tokenizer cannot take: not a string, or not encodable as UTF-8 (a lone
+    surrogate such as "\ud800", which JSON and Python strings can carry)."""
+    if not isinstance(text, str):
+        raise InvalidParamsError(f"{where} must be a string, got {type(text).__name__}", param)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidParamsError(
+            f"{where} is not valid Unicode: lone surrogate U+{ord(text[e.start]):04X} at "
+            f"character {e.start}", param,
+        ) from None
+
+
+def _check_strings(value: Any, where: str) -> None:
+    """_check_text over every string inside one message field (content parts included)."""
+    if isinstance(value, str):
+        _check_text(value, "messages", where)
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            _check_strings(v, f"{where}.{k}")
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _check_strings(v, f"{where}[{i}]")
+
+
+# --- chat template limits ---------------------------------------------------------------------
+# A chat template is code from the model file: untrusted. Jinja's sandbox stops escapes;
+# these bound what one render may cost, so a hostile template fails fast with one line
+# instead of holding a tokenizer thread for ever or eating the machine's memory. Real
+# templates render in about a millisecond, a few KiB, macros nested a few deep.
+TEMPLATE_TIME_LIMIT_S = 1.0  # wall time of one render (checked at every template line)
+# Any string a template builds (by +, *, ~, %, format, join, filters, str methods), and its
+# output: 4 Mi characters is about a million tokens, more than any context kvloop serves.
+TEMPLATE_MAX_CHARS = 4 * 2**20
+TEMPLATE_MAX_ITEMS = 2**20  # any list or tuple a template builds with * or +
+TEMPLATE_MAX_MACRO_DEPTH = 64  # nested macro calls (tool-schema macros recurse ~10 deep)
+TEMPLATE_MAX_INT_BITS = 2**16  # integers built with * or ** (C-level big-int work)
+
+# The conversations a template is tried on at load, in turn until one renders: most
+# templates take the first; some refuse a system turn, some want the user to start.
+_SAMPLE_CHATS: tuple[list[dict[str, str]], ...] = (
+    [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Hello!"},
+        {"role": "assistant", "content": "Hi. How can I help?"},
+        {"role": "user", "content": "What is 2 + 2?"},
+    ],
+    [
+        {"role": "user", "content": "Hello!"},
+        {"role": "assistant", "content": "Hi. How can I help?"},
+        {"role": "user", "content": "What is 2 + 2?"},
+    ],
+    [{"role": "user", "content": "Hello!"}],
+)
+
+
+class TemplateLimitError(KvloopError):
+    """A chat template ran over a render limit (time, size, recursion)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"chat template {what}")
+        self.what = what  # "timed out (over 1 s)": reads after "the template ..."
+
+
+class _TemplateRaised(jinja2.TemplateError):
+    """raise_exception() in a template: it refuses a conversation on purpose."""
+
+
+class _RenderBudget(threading.local):
+    """The limits of the render running on this thread (renders run on many threads)."""
+
+    deadline = math.inf
+    depth = 0
+
+
+_budget = _RenderBudget()
+
+
+def _check_time() -> None:
+    if time.monotonic() > _budget.deadline:
+        raise TemplateLimitError(f"timed out (over {TEMPLATE_TIME_LIMIT_S:g} s)")
+
+
+def _too_large(detail: str) -> TemplateLimitError:
+    return TemplateLimitError(f"went over its size limit: {detail}")
+
+
+def _check_chars(n: int, what: str) -> None:
+    if n > TEMPLATE_MAX_CHARS:
+        raise _too_large(
+            f"{what} would be {n} characters (limit {TEMPLATE_MAX_CHARS})"
+        )
+
+
+def _check_items(n: int, what: str) -> None:
+    if n > TEMPLATE_MAX_ITEMS:
+        raise _too_large(
+            f"{what} would have {n} items (limit {TEMPLATE_MAX_ITEMS})"
+        )
+
+
+def _weight(value: Any) -> int:
+    """About how many characters str(value) has, counted only until it passes
+    TEMPLATE_MAX_CHARS: cheap even on a list holding the same huge string a million times."""
+    total, stack = 0, [value]
+    while stack and total <= TEMPLATE_MAX_CHARS:
+        v = stack.pop()
+        if isinstance(v, str | bytes):
+            total += len(v)
+        elif isinstance(v, Mapping):
+            total += 2 + 4 * len(v)
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list | tuple | set | frozenset):
+            total += 2 + 2 * len(v)
+            stack.extend(v)
+        else:
+            total += 4
+    return total
+
+
+def _check_binop(op: str, left: Any, right: Any) -> None:
+    """Refuse an operation whose result would be over a limit *before* Python builds it: one
+    C-level `'A' * 2**32` is out of reach of any later check."""
+    seqs = str | list | tuple
+    if op == "*":
+        for seq, n in ((left, right), (right, left)):
+            if isinstance(seq, seqs) and isinstance(n, int) and n > 0:
+                if not isinstance(seq, str):
+                    _check_items(len(seq) * n, "a repeated list")
+                _check_chars(_weight(seq) * n, "a repeated value")
+        if (isinstance(left, int) and isinstance(right, int)
+                and left.bit_length() + right.bit_length() > TEMPLATE_MAX_INT_BITS):
+            raise _too_large(f"an integer product of over {TEMPLATE_MAX_INT_BITS} bits")
+    elif op == "+" and isinstance(left, seqs) and isinstance(right, seqs):
+        if not isinstance(left, str):
+            _check_items(len(left) + len(right), "a joined list")
+        _check_chars(_weight(left) + _weight(right), "a joined value")
+    elif op == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+        if abs(left) > 1 and left.bit_length() * right > TEMPLATE_MAX_INT_BITS:
+            raise _too_large(f"an integer power of over {TEMPLATE_MAX_INT_BITS} bits")
+    elif op == "%" and isinstance(left, str):
+        _check_printf(left, right)
+
+
+_PRINTF_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
+_WIDTH = re.compile(r"\d+")
+
+
+def _check_width(digits: str) -> None:
+    if len(digits) > 9 or int(digits) > TEMPLATE_MAX_CHARS:
+        raise _too_large(f"a field width of {digits[:12]} characters")
+
+
+def _check_printf(fmt: str, args: Any) -> None:
+    """`fmt % args`: each field is at most its width or the whole of `args`."""
+    fields = 0
+    for m in _PRINTF_SPEC.finditer(fmt):
+        fields += 1
+        for g in m.groups():
+            if g == "*":  # the width comes from args
+                values = args if isinstance(args, tuple) else (args,)
+                if any(isinstance(a, int) and abs(a) > TEMPLATE_MAX_CHARS for a in values):
+                    raise _too_large(f"a field width over {TEMPLATE_MAX_CHARS}")
+            elif g:
+                _check_width(g)
+    _check_chars(len(fmt) + fields * _weight(args), "a %-formatted string")
+
+
+def _check_str_format(fmt: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+    """`fmt.format(*args, **kwargs)`, checked like `%`."""
+    fields = 0
+    try:
+        parsed = list(string.Formatter().parse(fmt))
+    except ValueError:
+        return  # str.format raises the same error itself
+    for _, name, spec, _ in parsed:
+        if name is None:
+            continue
+        fields += 1
+        for digits in _WIDTH.findall(spec or ""):
+            _check_width(digits)
+    nested = "{" in "".join(spec or "" for _, _, spec, _ in parsed)  # {:{w}}
+    if nested and any(isinstance(a, int) and abs(a) > TEMPLATE_MAX_CHARS
+                      for a in (*args, *kwargs.values())):
+        raise _too_large(f"a field width over {TEMPLATE_MAX_CHARS}")
+    _check_chars(len(fmt) + fields * (_weight(args) + _weight(kwargs)), "a formatted string")
+
+
+def _check_str_call(method: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                    ) -> tuple[Any, ...]:
+    """Pre-check the str methods that can build far more text than they are given; returns
+    the arguments to call with (an iterator handed to join is read once, here)."""
+    text, name = method.__self__, method.__name__
+    if name in ("center", "ljust", "rjust", "zfill"):
+        width = args[0] if args else kwargs.get("width", 0)
+        if isinstance(width, int):
+            _check_chars(width, f"str.{name}()")
+    elif name == "expandtabs":
+        size = args[0] if args else kwargs.get("tabsize", 8)
+        if isinstance(size, int):
+            _check_chars(len(text) + text.count("\t") * size, "str.expandtabs()")
+    elif name == "replace" and len(args) >= 2:
+        _check_replace(text, args[0], args[1], args[2] if len(args) > 2 else -1)
+    elif name == "join" and args:
+        items = list(args[0])
+        _check_join(items, text)
+        args = (items, *args[1:])
+    return args
+
+
+def _check_replace(text: str, old: Any, new: Any, count: Any) -> None:
+    if isinstance(old, str) and isinstance(new, str):
+        hits = text.count(old) if old else len(text) + 1
+        if isinstance(count, int) and count >= 0:
+            hits = min(hits, count)
+        _check_chars(len(text) + hits * len(new), "a replace()")
+
+
+def _check_join(items: list[Any], sep: Any) -> None:
+    _check_items(len(items), "a joined list")
+    _check_chars(_weight(items) + len(str(sep)) * len(items), "a join()")
+
+
+def _guarded_filter(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A filter that checks the time, pre-checks the size of what it would build (join,
+    center, indent, replace, format), and checks the size of what it built."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)  # keeps jinja's pass_eval_context marker on the wrapper
+    def run(*args: Any, **kwargs: Any) -> Any:
+        _check_time()
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            return fn(*args, **kwargs)  # the filter reports its own misuse
+        bound.apply_defaults()
+        a = bound.arguments
+        if name == "join":
+            a["value"] = list(a["value"])
+            _check_join(a["value"], a["d"])
+        elif name == "center" and isinstance(a["width"], int):
+            _check_chars(a["width"], "|center")
+        elif name == "indent":
+            text, width = str(a["s"]), a["width"]
+            pad = width if isinstance(width, int) else len(str(width))
+            _check_chars(len(text) + (text.count("\n") + 1) * pad, "|indent")
+        elif name == "replace":
+            _check_replace(str(a["s"]), a["old"], a["new"], a["count"])
+        elif name == "format" and isinstance(a["value"], str):
+            _check_printf(a["value"], tuple(a["args"]) or dict(a["kwargs"]))
+        out = fn(*bound.args, **bound.kwargs)
+        if isinstance(out, str):
+            _check_chars(len(out), f"|{name}")
+        elif isinstance(out, list):
+            _check_items(len(out), f"|{name}")
+        return out
+
+    return run
+
+
+def _guarded_concat(chunks: Iterable[str]) -> str:
+    """The environment's `concat`, which joins every render's and macro's output: the
+    output-size limit, and a deadline check per chunk."""
+    parts, size = [], 0
+    for chunk in chunks:
+        size += len(chunk)
+        _check_chars(size, "the rendered text")
+        _check_time()
+        parts.append(chunk)
+    return "".join(parts)
+
+
+def _guarded_str_join(seq: Iterable[Any]) -> str:
+    """The `~` operator (compiled to runtime.str_join), size-checked before it joins."""
+    parts = [str(x) for x in seq]
+    _check_chars(sum(map(len, parts)), "a ~ concatenation")
+    return "".join(parts)
+
+
+def _trace_template_lines(frame: types.FrameType, event: str, arg: Any) -> Any:
+    """Local trace function of template code: the deadline, at every line. This is what
+    stops loops that call nothing and print nothing (nested `for` over ranges)."""
+    if event == "line":
+        _check_time()
+    return _trace_template_lines
+
+
+def _trace_calls(frame: types.FrameType, event: str, arg: Any) -> Any:
+    # Only the compiled template's own frames are traced line by line; jinja's runtime and
+    # ours run at full speed.
+    return _trace_template_lines if frame.f_code.co_filename == "<template>" else None
+
+
+class _LimitedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """The immutable sandbox, with every operation that can build big values checked
+    before it runs, and macro nesting bounded."""
+
+    intercepted_binops = frozenset({"*", "+", "**", "%"})
+
+    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any,
+                   right: Any) -> Any:
+        _check_binop(operator, left, right)
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context: jinja2.runtime.Context, __obj: Any,
+             *args: Any, **kwargs: Any) -> Any:
+        _check_time()
+        if isinstance(__obj, types.BuiltinMethodType) and isinstance(
+            getattr(__obj, "__self__", None), str
+        ):
+            args = _check_str_call(__obj, args, kwargs)
+        if not isinstance(__obj, jinja2.runtime.Macro):
+            return super().call(__context, __obj, *args, **kwargs)
+        if _budget.depth >= TEMPLATE_MAX_MACRO_DEPTH:
+            raise TemplateLimitError(
+                f"recursed too deep (macros nested over {TEMPLATE_MAX_MACRO_DEPTH} deep)"
+            )
+        _budget.depth += 1
+        try:
+            return super().call(__context, __obj, *args, **kwargs)
+        finally:
+            _budget.depth -= 1
+
+    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
+        wrapper = super().wrap_str_format(value)
+        if wrapper is None:
+            return None
+        fmt, is_map = value.__self__, value.__name__ == "format_map"
+
+        def checked(*args: Any, **kwargs: Any) -> str:
+            if is_map and len(args) == 1 and isinstance(args[0], Mapping):
+                _check_str_format(fmt, (), args[0])
+            else:
+                _check_str_format(fmt, args, kwargs)
+            out = wrapper(*args, **kwargs)
+            _check_chars(len(out), "str.format()")
+            return out
+
+        return checked
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text or type(e).__name__
+
+
+def _render(template: jinja2.Template, **context: Any) -> str:
+    """Render under the TEMPLATE_* limits; any failure is one KvloopError line."""
+    previous = sys.gettrace()
+    _budget.deadline = time.monotonic() + TEMPLATE_TIME_LIMIT_S
+    _budget.depth = 0
+    sys.settrace(_trace_calls)
+    try:
+        return template.render(**context)
+    except KvloopError:
+        raise
+    except RecursionError:
+        raise TemplateLimitError("recursed too deep (Python's recursion limit)") from None
+    except MemoryError:
+        raise TemplateLimitError("ran out of memory") from None
+    except jinja2.TemplateError as e:
+        # raise_exception() in templates reports bad conversations ("roles must alternate").
+        raise KvloopError(f"chat template error: {_one_line(e)}") from e
+    except Exception as e:  # a bug in the template (or an operand it cannot take)
+        raise KvloopError(f"chat template error: {type(e).__name__}: {_one_line(e)}") from e
+    finally:
+        sys.settrace(previous)
+        _budget.deadline = math.inf
+
+
 # --- chat template rendering ------------------------------------------------------------------
 def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
+    raise _TemplateRaised(message)
 
 
 def _tojson(
@@ -521,11 +1016,20 @@ def _strftime_now(fmt: str) -> str:
 
 @cache
 def _compile_template(source: str) -> jinja2.Template:
-    # Templates come from model files: untrusted code, hence the immutable sandbox.
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+    # Templates come from model files: untrusted code, hence the immutable sandbox, with the
+    # TEMPLATE_* limits on top.
+    env = _LimitedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
     )
+    env.concat = _guarded_concat  # type: ignore[method-assign]
     env.filters["tojson"] = _tojson
+    env.filters = {name: _guarded_filter(name, fn) for name, fn in env.filters.items()}
+    del env.globals["lipsum"]  # lipsum(n=10**9): a loop in jinja's code, out of the trace's reach
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    template = env.from_string(source)
+    # `~` compiles to a call of the module-level str_join: size-check it in this template's
+    # namespace (root and macros share it).
+    namespace = template.root_render_func.__globals__
+    namespace["str_join"] = namespace["markup_join"] = _guarded_str_join
+    return template
