@@ -20,7 +20,7 @@ import torch
 
 from kvloop import kernels
 from kvloop.batch import SchedulerOutput
-from kvloop.config import EngineConfig, ModelConfig, parse_size
+from kvloop.config import EngineConfig, ModelConfig
 from kvloop.engine.detokenizer import IncrementalDetokenizer
 from kvloop.engine.output_state import SeqOutputState
 from kvloop.engine.outputs import CompletionOutput, RequestOutput
@@ -105,11 +105,11 @@ class LLMEngine:
                                  c.max_position_embeddings)
         per_block = kv_cache_bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim,
                                              ec.block_size)
-        # Never more blocks than max_num_seqs full-length sequences could use.
+        # Never more blocks than max_num_seqs full-length sequences could use; never so few
+        # that the context would silently shrink to a handful of tokens (refused).
         blocks_cap = ec.max_num_seqs * (-(-self.max_model_len // ec.block_size))
-        num_blocks = max(1, min(parse_size(ec.kv_cache_memory) // per_block, blocks_cap))
-        if not ec.use_cache:
-            num_blocks = 1
+        num_blocks = (min(ec.check_kv_capacity(per_block, self.max_model_len), blocks_cap)
+                      if ec.use_cache else 1)
         self.num_blocks = num_blocks
         self._new_scheduler()
         if ec.use_cache:  # a sequence may never outgrow the cache (it would stall)
@@ -224,7 +224,7 @@ class LLMEngine:
         """Sibling i of an n > 1 request: seeded, it gets its own stream (seed + i)."""
         if params.n == 1 or (params.seed is None and i == 0):
             return params
-        return replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+        return replace(params, n=1, seed=params.sibling_seed(i))
 
     @staticmethod
     def _beam_row_params(params: SamplingParams, num_eos: int) -> SamplingParams:
