@@ -191,7 +191,7 @@ def test_chat_rejects_bad_params_before_loading(capsys: pytest.CaptureFixture[st
     """`kvloop chat` validates sampling flags like generate: exit 2, one line."""
     rc, out, err = run_main(["chat", "--model", "/nonexistent", "--top-p", "1.5"], capsys)
     assert rc == 2
-    assert err == "kvloop: error: top_p must be in (0, 1], got 1.5\n"
+    assert err == "kvloop: error: top_p must be a finite number in (0, 1], got 1.5\n"
     assert out == ""
 
 
@@ -239,6 +239,144 @@ def test_unparsable_flag_is_one_kvloop_error_line(capsys: pytest.CaptureFixture[
     assert "Traceback" not in out + err
     assert err.startswith("kvloop: error:") and "--max-tokens" in err
     assert len(err.strip().splitlines()) == 1
+
+
+# --- issue 10: values the engine cannot represent, refused as one line before the model loads ---
+HOSTILE_FLAGS = [
+    (["--threads", "-1"], "num_threads"),
+    (["--threads", "1000000"], "num_threads"),
+    (["--threads", "0"], "num_threads"),
+    (["--kv-cache-memory", "abc"], "kv_cache_memory"),
+    (["--kv-cache-memory", "1e400"], "kv_cache_memory"),
+    (["--kv-cache-memory=-1GiB"], "kv_cache_memory"),
+    (["--kv-cache-memory", "nan"], "kv_cache_memory"),
+    (["--seed", str(2**70)], "seed"),
+    (["--top-k", str(2**70)], "top_k"),
+    (["--stop-token-id", str(2**70), "--min-tokens", "2"], "stop_token_ids"),
+    (["--num-beams", "2", "--length-penalty", "1e308"], "length_penalty"),
+    (["--repetition-penalty", "1e-300"], "repetition_penalty"),
+    (["--temperature", "nan"], "temperature"),
+    (["--temperature", "inf"], "temperature"),
+    (["--logit-bias", f"{2**70}=1"], "logit_bias"),
+    (["--logit-bias", "5=nan"], "logit_bias"),
+    (["--num-beams", "0"], "num_beams"),
+    (["--num-beams", "3", "--logprobs", "2"], "logprobs"),
+    (["--num-beams", "2", "--stop", "x"], "stop"),
+    (["--n", "2", "--num-return-sequences", "2"], "num_return_sequences"),
+]
+
+
+@pytest.mark.parametrize("command", ["generate", "chat"])
+@pytest.mark.parametrize(("flags", "param"), HOSTILE_FLAGS,
+                         ids=[" ".join(f)[:40] for f, _ in HOSTILE_FLAGS])
+def test_hostile_flag_is_one_error_line_before_loading(
+    command: str, flags: list[str], param: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each used to be a traceback (or a hang, or 0.5 tok/s): now exit 2 and exactly one
+    `kvloop: error:` line naming the option, before the (missing) model is even looked at."""
+    prompt = ["hi"] if command == "generate" else []
+    rc, out, err = run_main([command, *prompt, "--model", "/nonexistent", *flags], capsys)
+    assert rc == 2, err
+    assert out == ""
+    assert err.startswith(f"kvloop: error: {param} ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+
+
+def test_too_many_threads_names_the_cpu_count(capsys: pytest.CaptureFixture[str]) -> None:
+    cpus = os.cpu_count()
+    rc, _, err = run_main(["generate", "hi", "--model", "/nonexistent", "--threads", "1000000"],
+                          capsys)
+    assert rc == 2 and f"this machine has {cpus} CPUs" in err
+
+
+def test_undecodable_prompt_bytes_exit_2_one_line(tmp_path: Path) -> None:
+    """`kvloop generate $'abc\\xff'`: Python passes the byte on as a lone surrogate; the CLI
+    names the byte and stops before loading anything (the model path does not exist)."""
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    p = subprocess.run(
+        [sys.executable, "-m", "kvloop.cli", "generate", b"abc\xff",
+         "--model", str(tmp_path / "none.gguf")],
+        capture_output=True, timeout=120, env=env, check=False)
+    err = p.stderr.decode("utf-8")
+    assert p.returncode == 2, err
+    assert p.stdout == b""
+    assert err == ("kvloop: error: PROMPT is not valid UTF-8 text (undecodable byte 0xff at "
+                   "character 3)\n")
+
+
+def test_undecodable_system_message_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run_main(["generate", "hi", "--chat", "--system", "x\udcfe",
+                           "--model", "/nonexistent"], capsys)
+    assert rc == 2
+    assert err == ("kvloop: error: --system is not valid UTF-8 text (undecodable byte 0xfe "
+                   "at character 1)\n")
+
+
+def test_binary_prompts_file_exit_2_one_line(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "prompts.bin"
+    f.write_bytes(b"fine first line\nsecond \x89PNG\x00\xff\n")
+    rc, out, err = run_main(["generate", "--prompts-file", str(f), "--model", "/nonexistent"],
+                            capsys)
+    assert rc == 2 and out == ""
+    assert err == (f"kvloop: error: --prompts-file {f} is not UTF-8 text (byte 0x89 on line "
+                   f"2, at byte 23)\n")
+
+
+def test_prompts_file_crlf_lines_are_stripped(tiny_model_dir: Path, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    f = tmp_path / "prompts.txt"
+    f.write_bytes(b"The quick brown\r\n\r\nCaf\xc3\xa9\r\n")
+    rc, out, err = run_main(["generate", "--prompts-file", str(f), "--json", "--model",
+                             str(tiny_model_dir), "--kv-cache-memory", SMALL_KV,
+                             "--max-tokens", "2", "--ignore-eos"], capsys)
+    assert rc == 0, err
+    objs = [json.loads(line) for line in out.splitlines()]
+    assert len(objs) == 2
+
+
+def test_chat_skips_a_non_utf8_line_and_goes_on(tiny_model_dir: Path, tiny_llm: LLM) -> None:
+    """`kvloop chat < binary`: the bad line is one `kvloop: error:` line and is skipped, the
+    next line is answered as if it came first, and the session exits 2 (something was
+    refused); no traceback."""
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    p = subprocess.run(
+        [sys.executable, "-m", "kvloop.cli", "chat", "--model", str(tiny_model_dir),
+         "--max-tokens", "3", "--ignore-eos", "--kv-cache-memory", SMALL_KV],
+        input=b"\x89PNG\r\n\x00\xff\xfe\nhello\n", capture_output=True, timeout=300,
+        env=env, check=False)
+    out, err = p.stdout.decode("utf-8"), p.stderr.decode("utf-8")
+    assert p.returncode == 2, err
+    assert "Traceback" not in out + err
+    errors = [line for line in err.splitlines() if line.startswith("kvloop: error:")]
+    assert errors == ["kvloop: error: input line 1 is not valid UTF-8 text (byte 0x89 at "
+                      "byte 0); skipped",
+                      "kvloop: error: input line 2 is not valid UTF-8 text (byte 0xff at "
+                      "byte 1); skipped"]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    reply = tiny_llm.chat([{"role": "user", "content": "hello"}], params)[0].outputs[0].text
+    assert out == f">>> >>> >>> {reply}\n>>> "  # the skipped lines left no history
+
+
+def test_parse_special_tokenizes_control_tokens(tiny_model_dir: Path, tiny_llm: LLM,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """By default a special-token string in the prompt is plain text; --parse-special makes
+    it the control token, exactly as tokenizer.encode(text, parse_special=True)."""
+    tok = tiny_llm.tokenizer
+    special = tok.eos_token
+    assert special is not None
+    prompt = f"The quick{special} brown"
+    raw = gen_json(tiny_model_dir, capsys, "--max-tokens", "1", "--ignore-eos",
+                   "--parse-special", prompt=prompt)
+    plain = gen_json(tiny_model_dir, capsys, "--max-tokens", "1", "--ignore-eos",
+                     prompt=prompt)
+    want = tok.encode(prompt, parse_special=True)
+    assert raw["metrics"]["prompt_tokens"] == len(want)
+    assert plain["metrics"]["prompt_tokens"] == len(tok.encode(prompt))
+    assert len(tok.encode(prompt)) > len(want)  # the string spelled out, not one id
+    rc, _, err = run_main(["generate", "hi", "--chat", "--parse-special",
+                           "--model", "/nonexistent"], capsys)
+    assert rc == 2 and "--parse-special" in err
 
 
 # --- the default model --------------------------------------------------------------------------

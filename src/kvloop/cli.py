@@ -3,7 +3,12 @@
     kvloop generate "PROMPT" [--chat] [--json] [--temperature T] [--max-tokens N] ...
     kvloop chat
 Every behaviour lives in the engine; this module only parses, validates and prints.
-User mistakes end with one line on stderr and exit status 2, never a traceback.
+User mistakes end with one line on stderr and exit status 2, never a traceback: sampling and
+engine flags are checked by SamplingParams and EngineConfig (the API's own words) before the
+model loads, and text that is not UTF-8 (a prompt argument with undecodable bytes, a binary
+--prompts-file) is refused the same way. In `kvloop chat` a line that is not UTF-8 is
+reported and skipped and the conversation goes on; the session then exits with status 2, so a
+script that piped a file in notices.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from kvloop.config import EngineConfig
 from kvloop.errors import KvloopError
 from kvloop.params import SamplingParams
 from kvloop.server.cli import add_serve_parser, cmd_serve
@@ -75,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--system", default=None, help="system message (with --chat)")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    gen.add_argument("--parse-special", action="store_true",
+                     help="tokenize special-token strings in the prompt as control tokens; "
+                          "by default they are plain text")
     _sampling_flags(gen)
     _engine_flags(gen)
 
@@ -124,11 +133,43 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     )
 
 
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags as EngineConfig options, checked now (before the slow model load):
+    a bad one is the API's InvalidParamsError, printed as one line."""
+    options = {"use_cache": not args.no_cache, "kv_cache_memory": args.kv_cache_memory,
+               "num_threads": args.threads, "quantization": args.quantization}
+    EngineConfig(**options)
+    return options
+
+
 def _make_llm(args: argparse.Namespace) -> Any:
     from kvloop.engine.llm import LLM  # deferred: torch import is slow, --help stays fast
 
-    return LLM(args.model, use_cache=not args.no_cache, kv_cache_memory=args.kv_cache_memory,
-               num_threads=args.threads, quantization=args.quantization)
+    return LLM(args.model, **engine_options(args))
+
+
+def _check_text(text: str, what: str) -> str:
+    """`text` if it is valid Unicode, else one KvloopError line.
+
+    Python hands undecodable argv bytes over as lone surrogates (surrogateescape), which no
+    tokenizer can encode: say which byte, where, instead of a traceback from deep inside."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        ch = ord(text[e.start])
+        what_byte = (f"undecodable byte 0x{ch - 0xDC00:02x}" if 0xDC80 <= ch <= 0xDCFF
+                     else f"lone surrogate U+{ch:04X}")
+        raise KvloopError(f"{what} is not valid UTF-8 text ({what_byte} at character "
+                          f"{e.start})") from None
+    return text
+
+
+def _decode_line(raw: bytes, what: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise KvloopError(f"{what} is not valid UTF-8 text (byte 0x{raw[e.start]:02x} at "
+                          f"byte {e.start})") from None
 
 
 def _figures(metrics: dict[str, Any]) -> str:
@@ -164,10 +205,18 @@ def _output_json(out: Any, params: SamplingParams) -> dict[str, Any]:
 
 def _read_prompts(path: str) -> list[str]:
     try:
-        with open(path, encoding="utf-8") as f:
-            prompts = [line.rstrip("\n") for line in f if line.strip()]
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as e:
         raise KvloopError(f"cannot read --prompts-file {path}: {e.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        # Decoded whole (not line by line) so the offset is the file's: say where it breaks.
+        line = data.count(b"\n", 0, e.start) + 1
+        raise KvloopError(f"--prompts-file {path} is not UTF-8 text (byte "
+                          f"0x{data[e.start]:02x} on line {line}, at byte {e.start})") from None
+    prompts = [line.removesuffix("\r") for line in text.split("\n") if line.strip()]
     if not prompts:
         raise KvloopError(f"--prompts-file {path} has no prompts")
     return prompts
@@ -175,12 +224,22 @@ def _read_prompts(path: str) -> list[str]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)  # validate before the slow model load
+    engine_options(args)
     if (args.prompt is None) == (args.prompts_file is None):
         raise KvloopError("give a PROMPT or --prompts-file FILE (one of them)")
-    texts = _read_prompts(args.prompts_file) if args.prompts_file else [args.prompt]
+    if args.parse_special and args.chat:
+        # With --chat the template's own tokens are control tokens already; message text
+        # stays text. A raw prompt written in the template's syntax needs no --chat.
+        raise KvloopError("--parse-special applies to plain prompts, not to --chat")
+    texts = (_read_prompts(args.prompts_file) if args.prompts_file
+             else [_check_text(args.prompt, "PROMPT")])
+    if args.system is not None:
+        _check_text(args.system, "--system")
     llm = _make_llm(args)
 
     def encode(text: str) -> str | list[int]:
+        if args.parse_special:
+            return list(llm.tokenizer.encode(text, parse_special=True))
         if not args.chat:
             return text
         msgs = [{"role": "system", "content": args.system}] if args.system else []
@@ -216,20 +275,56 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_chat_line(line_no: int) -> str | None:
+    """One line of the conversation from stdin, without its newline; None at end of input.
+
+    Read as bytes and decoded here, so a line that is not UTF-8 is a KvloopError for that
+    line alone (the text layer would raise mid-stream, or hand over lone surrogates)."""
+    sys.stdout.write(">>> ")
+    sys.stdout.flush()
+    buffer = getattr(sys.stdin, "buffer", None)
+    if buffer is not None:
+        raw = buffer.readline()
+        if not raw:
+            return None
+        line = _decode_line(raw, f"input line {line_no}")
+    else:  # a text stream without bytes underneath (tests, embedding)
+        try:
+            line = sys.stdin.readline()
+        except UnicodeDecodeError:
+            raise KvloopError(f"input line {line_no} is not valid UTF-8 text") from None
+        if not line:
+            return None
+        _check_text(line, f"input line {line_no}")
+    return line.removesuffix("\n").removesuffix("\r")
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
     params = sampling_params(args)
+    engine_options(args)
+    if args.system is not None:
+        _check_text(args.system, "--system")
     llm = _make_llm(args)
     history: list[dict[str, str]] = (
         [{"role": "system", "content": args.system}] if args.system else [])
     print("kvloop chat: /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
+    status, line_no = 0, 0
     while True:
+        line_no += 1
         try:
-            line = input(">>> ")
-        except (EOFError, KeyboardInterrupt):
+            got = _read_chat_line(line_no)
+        except KeyboardInterrupt:
+            got = None
+        except KvloopError as e:  # not UTF-8: skip the line, keep the conversation
+            print(f"kvloop: error: {e}; skipped", file=sys.stderr)
+            status = EXIT_USAGE
+            continue
+        if got is None:
             print(file=sys.stderr)
-            return 0
+            return status
+        line = got
         if line.strip() in ("/exit", "/quit"):
-            return 0
+            return status
         if line.strip() == "/reset":
             history = history[:1] if args.system else []
             continue
