@@ -72,13 +72,38 @@ class KvloopServer(uvicorn.Server):
             await asyncio.sleep(0.02)
 
 
+# File descriptors kept back from the connection cap: model files, threads' pipes, logs.
+_FD_RESERVE = 64
+
+
+def _within_fd_limit(cap: int | None) -> int | None:
+    """The connection cap, lowered below the process's open-file limit: past that limit
+    accept() itself fails, and the cap's 503 is never sent."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):  # no such limit here (Windows)
+        return cap
+    if soft == resource.RLIM_INFINITY or soft <= 2 * _FD_RESERVE:
+        return cap
+    room = soft - _FD_RESERVE
+    if cap is None:
+        return room
+    if cap > room:
+        logger.warning("connection cap lowered to %d: the open-file limit is %d (raise it "
+                       "with ulimit -n)", room, soft)
+        return room
+    return cap
+
+
 def build_server(app: FastAPI, host: str = "127.0.0.1", port: int = 0,
                  log_level: str = "info") -> KvloopServer:
     """A server for an app from kvloop.server.app.create_app, with its settings' limits."""
     settings = app.state.settings
     limits = ConnectionLimits(header_timeout=settings.header_timeout,
                               body_timeout=settings.body_timeout,
-                              max_connections=settings.max_connections,
+                              max_connections=_within_fd_limit(settings.max_connections),
                               max_header_bytes=settings.max_header_bytes)
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, http=protocol_class(limits),
