@@ -4,7 +4,10 @@ Each handler checks what only the face can know (the model name, the context bud
 the tokenized prompt, fields kvloop does not support), builds SamplingParams (which
 validate themselves), hands the request to the AsyncEngine and either streams its deltas
 as server-sent events or waits for the final output. All refusals happen before the
-engine queues anything; a client that leaves aborts its requests at once.
+engine queues anything; a client that leaves aborts its requests at once (every prompt of
+a list: they are queued together, under the same disconnect watch). On shutdown the
+server stops admitting (`draining`) and ends what is still running with `end_all`, each
+client told in its own format (kvloop.server.lifecycle).
 """
 
 from __future__ import annotations
