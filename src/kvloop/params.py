@@ -190,7 +190,7 @@ class SamplingParams:
         bias: dict[int, float] = {}
         for k, v in self.logit_bias.items():
             # JSON object keys arrive as strings ("50256"): accept decimal ids, nothing else.
-            key = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdigit() else k
+            key = int(k) if isinstance(k, str) and k.strip().lstrip("-").isdecimal() else k
             _check_int("logit_bias keys", key, 0, MAX_INT32, param="logit_bias")
             _check_float("logit_bias values", v, *LOGIT_BIAS_RANGE, param="logit_bias")
             bias[key] = float(v)
