@@ -233,8 +233,7 @@ class OpenAIServing:
     def _encode_all(self, texts: list[str], parse_special: bool) -> list[list[int]]:
         try:
             if parse_special:  # the opt-in: control-token strings become control tokens
-                return [self.tokenizer.encode(t, parse_special=True)  # type: ignore[call-arg]
-                        for t in texts]
+                return [self.tokenizer.encode(t, parse_special=True) for t in texts]
             return [self.tokenizer.encode(t) for t in texts]
         except KvloopError as e:  # text the tokenizer refuses (a lone surrogate)
             raise bad_request(str(e), "prompt") from e
