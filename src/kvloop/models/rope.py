@@ -8,6 +8,8 @@ import torch
 
 from kvloop.config import ModelConfig
 
+_BUILD_SLICE = 2**14  # positions per slice when the cos/sin table is built
+
 
 def inv_frequencies(config: ModelConfig) -> torch.Tensor:  # [head_dim / 2]
     dim = config.head_dim
@@ -41,10 +43,20 @@ class RotaryEmbedding(torch.nn.Module):
         self._build(config.max_position_embeddings)
 
     def _build(self, max_positions: int) -> None:
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, self.inv_freq)  # [P, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-        self.cos, self.sin = emb.cos(), emb.sin()
+        # The table covers the whole context the model declares (the native decoder reads it
+        # whole; the loader bounds that context). Built in slices, so that the peak is the
+        # table itself rather than about twice it in temporaries: it matters at 2**20
+        # positions. Each entry is computed exactly as in one pass.
+        dim = 2 * self.inv_freq.shape[0]
+        self.cos = torch.empty(max_positions, dim, dtype=self.inv_freq.dtype)  # [P, D]
+        self.sin = torch.empty(max_positions, dim, dtype=self.inv_freq.dtype)
+        for start in range(0, max_positions, _BUILD_SLICE):
+            t = torch.arange(start, min(start + _BUILD_SLICE, max_positions),
+                             dtype=torch.float32)
+            freqs = torch.outer(t, self.inv_freq)  # [slice, D/2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [slice, D]
+            self.cos[start:start + len(t)] = emb.cos()
+            self.sin[start:start + len(t)] = emb.sin()
 
     def scale_by(self, rope_freqs: torch.Tensor) -> None:
         """GGUF `rope_freqs`: per-frequency divisors llama.cpp stores for Llama-3 scaling."""
