@@ -391,3 +391,27 @@ def test_default_model_chat_json() -> None:
     assert 1 <= len(obj["token_ids"]) <= 8
     assert obj["finish_reason"] in ("stop", "length")
     assert obj["metrics"].keys() >= METRIC_KEYS
+
+
+def test_speculative_ngram_same_text_and_accepted_figure(tiny_model_dir: Path,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    """--speculative ngram gives the same greedy text; the figures line and the JSON
+    metrics report drafted and accepted tokens."""
+    prompt = "one two three one two three one two three one two"
+    plain = gen_json(tiny_model_dir, capsys, "--max-tokens", "40", "--ignore-eos",
+                     prompt=prompt)
+    spec = gen_json(tiny_model_dir, capsys, "--max-tokens", "40", "--ignore-eos",
+                    "--speculative", "ngram", prompt=prompt)
+    assert spec["token_ids"] == plain["token_ids"]
+    assert spec["metrics"]["draft_tokens"] > 0
+    assert plain["metrics"]["draft_tokens"] == 0
+    rc, _, err = run_main(["generate", prompt, "--model", str(tiny_model_dir),
+                             "--kv-cache-memory", SMALL_KV, "--max-tokens", "40",
+                             "--ignore-eos", "--speculative", "ngram"], capsys)
+    assert rc == 0, err
+    mean = spec["metrics"]["mean_accepted_length"]
+    assert mean >= 1.0 and f"{mean:.2f} tokens/step accepted" in err
+    rc, _, err = run_main(["generate", prompt, "--speculative", "ngram",
+                           "--num-speculative-tokens", "99"], capsys)
+    assert rc == 2 and err.count("\n") == 1 and "num_speculative_tokens" in err

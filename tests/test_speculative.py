@@ -30,10 +30,8 @@ PROMPTS = [
 
 
 def make_engine(model_dir, speculate: bool, **kw) -> LLMEngine:
-    engine = LLMEngine(str(model_dir), EngineConfig(block_size=16, **kw))
-    if speculate:
-        engine.proposer = NgramProposer(1, 3)
-    return engine
+    spec = dict(speculative="ngram", ngram_min=1, ngram_max=3) if speculate else {}
+    return LLMEngine(str(model_dir), EngineConfig(block_size=16, **spec, **kw))
 
 
 def run(engine: LLMEngine, prompts, params) -> dict:
@@ -108,8 +106,7 @@ def test_greedy_identical_in_a_mixed_batch_with_chunked_prefill_and_preemption(
               max_num_batched_tokens=32)
     base_engine = make_engine(tiny_model_dir, False, **kw)
     base = run(base_engine, prompts, params)
-    engine = make_engine(tiny_model_dir, True, **kw)
-    engine.spec_max_batch = 64
+    engine = make_engine(tiny_model_dir, True, speculative_max_batch=64, **kw)
     spec = run(engine, prompts, params)
     assert engine.scheduler.num_preemptions > 0
     for rid, out in base.items():
@@ -119,8 +116,7 @@ def test_greedy_identical_in_a_mixed_batch_with_chunked_prefill_and_preemption(
 
 
 def test_no_drafts_when_the_batch_is_compute_bound(tiny_model_dir):
-    engine = make_engine(tiny_model_dir, True)
-    engine.spec_max_batch = 2
+    engine = make_engine(tiny_model_dir, True, speculative_max_batch=2)
     outs = run(engine, PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     assert all(o.metrics.num_draft_tokens == 0 for o in outs.values())
 
@@ -203,3 +199,25 @@ def test_failed_speculative_step_commits_no_draft(tiny_model_dir):
     assert engine.stats().kv.num_used_blocks == 0
     again = run(engine, [prompt], params)["r0"]
     assert again.outputs[0].token_ids == cold.outputs[0].token_ids
+
+
+def test_per_request_opt_out_and_cap(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, True)
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, speculative=False),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
+                             num_speculative_tokens=1)]
+    outs = run(engine, PROMPTS[:2], params)
+    assert outs["r0"].metrics.num_draft_tokens == 0
+    m = outs["r1"].metrics
+    assert m.num_draft_tokens > 0 and m.num_draft_tokens == m.num_spec_steps  # one a step
+
+
+def test_ngram_proposer_finds_the_latest_longest_match():
+    p = NgramProposer(1, 3)
+    assert p.propose([1, 2, 3, 4, 9, 1, 2, 3], 2) == [4, 9]
+    assert p.propose([1, 2, 3, 7, 2, 3, 8, 2, 3], 5) == [8, 2, 3]  # latest of two matches
+    assert p.propose([5, 6, 7, 5], 3) == [6, 7, 5]
+    assert p.propose([1, 2, 3], 2) == [] and p.propose([1], 3) == []
+    assert NgramProposer(2, 3).propose([4, 1, 9, 1], 3) == []  # a 1-gram is too short
+    with pytest.raises(ValueError):
+        NgramProposer(3, 2)

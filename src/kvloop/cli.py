@@ -61,6 +61,13 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None)
     g.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
                    help="weight-only quantization of the linear layers (default: fp32)")
+    g.add_argument("--speculative", default=None, choices=["ngram"],
+                   help="speculative decoding: 'ngram' drafts tokens by prompt lookup and the "
+                        "model verifies them in one step (same output, fewer steps)")
+    g.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="draft tokens per step, at most (default 4)")
+    g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix looked up")
+    g.add_argument("--ngram-max", type=int, default=4, help="longest suffix looked up")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -137,7 +144,10 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags as EngineConfig options, checked now (before the slow model load):
     a bad one is the API's InvalidParamsError, printed as one line."""
     options = {"use_cache": not args.no_cache, "kv_cache_memory": args.kv_cache_memory,
-               "num_threads": args.threads, "quantization": args.quantization}
+               "num_threads": args.threads, "quantization": args.quantization,
+               "speculative": args.speculative,
+               "num_speculative_tokens": args.num_speculative_tokens,
+               "ngram_min": args.ngram_min, "ngram_max": args.ngram_max}
     EngineConfig(**options)
     return options
 
@@ -175,9 +185,11 @@ def _decode_line(raw: bytes, what: str) -> str:
 def _figures(metrics: dict[str, Any]) -> str:
     ttft = metrics.get("ttft_s") or 0.0
     tps = metrics.get("decode_tokens_per_s")
+    accepted = metrics.get("mean_accepted_length")
+    spec = f" | {accepted:.2f} tokens/step accepted" if accepted else ""
     return (f"[TTFT {ttft * 1000:.0f} ms | decode {tps or 0:.1f} tok/s | "
             f"{metrics['output_tokens']} tokens | "
-            f"{metrics['positions_processed']} positions processed]")
+            f"{metrics['positions_processed']} positions processed{spec}]")
 
 
 def _completion_json(comp: Any, params: SamplingParams) -> dict[str, Any]:

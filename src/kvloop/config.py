@@ -97,6 +97,8 @@ def parse_size(text: str | int, param: str | None = None) -> int:
 # The weight-only quantization modes; kept equal to kvloop.quant.QUANTIZATIONS (a test checks)
 # because config sits below quant in the layers and must not import it.
 QUANTIZATIONS = ("none", "int8", "int4")
+SPECULATIVE_METHODS = (None, "ngram")
+MAX_SPECULATIVE_TOKENS = 16
 MAX_BLOCK_SIZE = 1024  # tokens per KV block: larger only wastes the last block's slots
 MAX_NUM_SEQS = 65536
 MAX_THREADS_UNKNOWN_CPUS = 1024  # where os.cpu_count() cannot tell
@@ -134,6 +136,15 @@ class EngineConfig:
     use_kernels: bool = True
     # Weight-only quantization of the linear layers: "none" (fp32), "int8" or "int4".
     quantization: str = "none"
+    # Speculative decoding: None (off) or "ngram" (prompt lookup: drafts copied from the
+    # sequence's own earlier tokens, verified by the model in the same batch).
+    speculative: str | None = None
+    num_speculative_tokens: int = 4  # drafts per sequence per step, at most
+    ngram_min: int = 1  # suffix lengths the lookup tries, longest first
+    ngram_max: int = 4
+    # With more sequences decoding than this, nobody drafts: the step is compute-bound
+    # already, and draft rows would cost more than the steps they save.
+    speculative_max_batch: int = 8
 
     def __post_init__(self) -> None:
         for name in ("use_cache", "enable_prefix_caching", "pack_weights", "use_kernels"):
@@ -156,6 +167,14 @@ class EngineConfig:
                            if cpus else f"an integer >= 1 and <= {MAX_THREADS_UNKNOWN_CPUS}")
         if self.quantization not in QUANTIZATIONS:
             raise _bad("quantization", self.quantization, f"one of {', '.join(QUANTIZATIONS)}")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise _bad("speculative", self.speculative,
+                       f"one of {', '.join(map(str, SPECULATIVE_METHODS))}")
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1,
+                   MAX_SPECULATIVE_TOKENS)
+        _check_int("ngram_max", self.ngram_max, 1, MAX_SPECULATIVE_TOKENS)
+        _check_int("ngram_min", self.ngram_min, 1, self.ngram_max)
+        _check_int("speculative_max_batch", self.speculative_max_batch, 0, MAX_NUM_SEQS)
         size = parse_size(self.kv_cache_memory, param="kv_cache_memory")
         if size < 1:
             raise _bad("kv_cache_memory", self.kv_cache_memory, "at least 1 byte")

@@ -30,6 +30,7 @@ MAX_BEAMS = 128
 MAX_LOGPROBS = 20  # OpenAI's top_logprobs limit
 MAX_LOGIT_BIAS = 1024  # entries; each costs a scatter per step
 MAX_STOP_TOKEN_IDS = 1024
+MAX_SPECULATIVE_TOKENS = 16  # drafts per step: more only wastes rows when guesses miss
 MAX_TEMPERATURE = 100.0  # logits / 100 is already uniform to within float error
 # transformers-style repetition penalty multiplies or divides a logit by it: at 0.01..100 a
 # float32 logit stays finite; at 1e-300 positive logits became inf and softmax gave NaN.
@@ -118,6 +119,10 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     num_return_sequences: int | None = None
+    # Speculative decoding, where the engine has a proposer: False opts this request out;
+    # num_speculative_tokens caps its drafts per step (None: the engine's setting).
+    speculative: bool = True
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -176,6 +181,11 @@ class SamplingParams:
             raise _bad("early_stopping", self.early_stopping, 'True, False or "never"')
         if self.num_return_sequences is not None:
             _check_int("num_return_sequences", self.num_return_sequences, 1, self.num_beams)
+        if not isinstance(self.speculative, bool):
+            raise _bad("speculative", self.speculative, "true or false")
+        if self.num_speculative_tokens is not None:
+            _check_int("num_speculative_tokens", self.num_speculative_tokens, 0,
+                       MAX_SPECULATIVE_TOKENS)
         if self.num_beams > 1:
             self._validate_beam_combination()
         else:

@@ -36,7 +36,7 @@ from kvloop.request import Request, RequestStatus
 from kvloop.runner import ModelRunner, SampledToken, kv_cache_bytes_per_block
 from kvloop.sampling.beam import BeamSearch
 from kvloop.scheduler import Scheduler, SchedulerConfig, SchedulerStats
-from kvloop.spec import Proposer
+from kvloop.spec import NgramProposer, Proposer
 
 logger = logging.getLogger("kvloop.engine")
 
@@ -117,13 +117,13 @@ class LLMEngine:
             self.max_model_len = min(self.max_model_len, usable)
         self.runner = ModelRunner(self.model, ec.block_size, num_blocks, ec.use_cache,
                                   ec.use_kernels)
-        # Speculative decoding (off unless a proposer is set): drafts of up to
-        # num_speculative_tokens per sequence, adapted to each one's recent acceptance.
-        self.proposer: Proposer | None = None
-        self.num_speculative_tokens = 4
-        # A batch with more decoding sequences than this is compute-bound already: the
-        # extra query rows of drafts would cost more than the steps they save.
-        self.spec_max_batch = 8
+        # Speculative decoding: drafts of up to num_speculative_tokens per sequence, adapted
+        # to each one's recent acceptance; none while more than spec_max_batch sequences
+        # decode (the step is compute-bound: draft rows would cost more than they save).
+        self.proposer: Proposer | None = (NgramProposer(ec.ngram_min, ec.ngram_max)
+                                          if ec.speculative == "ngram" else None)
+        self.num_speculative_tokens = ec.num_speculative_tokens
+        self.spec_max_batch = ec.speculative_max_batch
         self._spec_len: dict[str, int] = {}  # per sequence: drafts to ask for next step
         self._groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, _Group] = {}
@@ -317,12 +317,15 @@ class LLMEngine:
             if not speculate or req.num_computed_tokens != req.num_tokens - 1:
                 continue  # compute-bound batch, or still prefilling
             group = self._seq_to_group.get(req.request_id)
-            if group is None or group.beam is not None:
+            p = req.params
+            if group is None or group.beam is not None or not p.speculative:
                 continue  # beam search ranks whole beams: it never speculates
             # Never draft past max_tokens (the step's own token counts too) or the context.
             k = min(self._spec_len.get(req.request_id, self.num_speculative_tokens),
-                    req.params.max_tokens - len(req.output_token_ids) - 1,
+                    p.max_tokens - len(req.output_token_ids) - 1,
                     self.max_model_len - req.num_tokens)
+            if p.num_speculative_tokens is not None:
+                k = min(k, p.num_speculative_tokens)
             if k > 0:
                 req.spec_token_ids = self.proposer.propose(req.all_token_ids, k)
 
