@@ -662,3 +662,32 @@ def _wait_for(ready: Callable[[], bool], proc: subprocess.Popen, timeout: float 
             pass
         time.sleep(0.1)
     raise AssertionError("the server did not come up")
+
+
+def test_speculative_server_same_greedy_text_and_spec_metrics(tiny_model_dir: Path) -> None:
+    """A server with n-gram speculation answers the openai client with the same greedy text
+    as one without; a request can opt out; /metrics counts drafted and accepted tokens
+    and the per-step acceptance histogram."""
+    prompt = "one two three one two three one two three one two"
+    kw = dict(model="tiny", prompt=prompt, max_tokens=30, temperature=0,
+              extra_body={"ignore_eos": True})
+    with serve(tiny_engine(tiny_model_dir)) as plain:
+        want = openai.OpenAI(base_url=f"{plain.url}/v1", api_key="x").completions.create(**kw)
+    with serve(tiny_engine(tiny_model_dir, speculative="ngram", ngram_min=1)) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        got = client.completions.create(**kw)
+        assert got.choices[0].text == want.choices[0].text
+        with httpx.Client(base_url=server.url) as http:
+            wait_idle(http)
+            drafted = metric(http, "kvloop_spec_draft_tokens_total")
+            accepted = metric(http, "kvloop_spec_accepted_tokens_total")
+            steps = metric(http, "kvloop_spec_accepted_per_step_count")
+            assert drafted > 0 and 0 <= accepted <= drafted and steps > 0
+            assert metric(http, "kvloop_spec_accepted_per_step_sum") == accepted
+            opted_out = client.completions.create(
+                **{**kw, "extra_body": {"ignore_eos": True, "speculative": False}})
+            assert opted_out.choices[0].text == want.choices[0].text
+            wait_idle(http)
+            assert metric(http, "kvloop_spec_draft_tokens_total") == drafted
+            r = http.post("/v1/completions", json={"prompt": "hi", "num_speculative_tokens": 99})
+            assert_error(r, 400, param="num_speculative_tokens")

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from kvloop.config import EngineConfig
+from kvloop.engine_flags import add_engine_flags, engine_options
 from kvloop.errors import KvloopError
 from kvloop.params import SamplingParams
 from kvloop.server.cli import add_serve_parser, cmd_serve
@@ -52,24 +52,6 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-return-sequences", type=int, default=None)
 
 
-def _engine_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
-    g.add_argument("--no-cache", action="store_true",
-                   help="re-run the whole sequence every step (no KV cache)")
-    g.add_argument("--kv-cache-memory", default="2GiB")
-    g.add_argument("--threads", type=int, default=None)
-    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
-                   help="weight-only quantization of the linear layers (default: fp32)")
-    g.add_argument("--speculative", default=None, choices=["ngram"],
-                   help="speculative decoding: 'ngram' drafts tokens by prompt lookup and the "
-                        "model verifies them in one step (same output, fewer steps)")
-    g.add_argument("--num-speculative-tokens", type=int, default=4,
-                   help="draft tokens per step, at most (default 4)")
-    g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix looked up")
-    g.add_argument("--ngram-max", type=int, default=4, help="longest suffix looked up")
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage mistake is one `kvloop: error:` line like every other."""
 
@@ -92,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="tokenize special-token strings in the prompt as control tokens; "
                           "by default they are plain text")
     _sampling_flags(gen)
-    _engine_flags(gen)
+    add_engine_flags(gen)
 
     roof = sub.add_parser("roofline", help="predict TTFT and time per token from first "
                           "principles (and, for a loaded model, compare with kvloop)")
@@ -106,14 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     roof.add_argument("--flops", type=float, default=None, help="FLOP/s (default: measured here)")
     roof.add_argument("--bandwidth", type=float, default=None,
                       help="memory bytes/s (default: measured here)")
-    _engine_flags(roof)
+    add_engine_flags(roof)
 
     add_serve_parser(sub)
 
     chat = sub.add_parser("chat", help="an interactive conversation")
     chat.add_argument("--system", default=None)
     _sampling_flags(chat)
-    _engine_flags(chat)
+    add_engine_flags(chat)
     return parser
 
 
@@ -138,18 +120,6 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         early_stopping={"true": True, "false": False}.get(args.early_stopping, "never"),
         num_return_sequences=args.num_return_sequences,
     )
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine flags as EngineConfig options, checked now (before the slow model load):
-    a bad one is the API's InvalidParamsError, printed as one line."""
-    options = {"use_cache": not args.no_cache, "kv_cache_memory": args.kv_cache_memory,
-               "num_threads": args.threads, "quantization": args.quantization,
-               "speculative": args.speculative,
-               "num_speculative_tokens": args.num_speculative_tokens,
-               "ngram_min": args.ngram_min, "ngram_max": args.ngram_max}
-    EngineConfig(**options)
-    return options
 
 
 def _make_llm(args: argparse.Namespace) -> Any:

@@ -42,6 +42,11 @@ class SchedulerStats:
     num_waiting: int
     kv: KVCacheStats
     num_preemptions: int
+    # Speculative decoding: draft tokens run, accepted, and per verifying step how many
+    # drafts it accepted (accepted_per_step[j] = steps that accepted j).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_step: tuple[int, ...] = ()
 
 
 class Scheduler:
@@ -53,6 +58,9 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_step: list[int] = []
 
     # -- queue management -------------------------------------------------------------------
     def check_fits(self, request: Request) -> None:
@@ -112,7 +120,8 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.stats(),
-                              self.num_preemptions)
+                              self.num_preemptions, self.num_draft_tokens,
+                              self.num_accepted_tokens, tuple(self.accepted_per_step))
 
     # -- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -206,6 +215,11 @@ class Scheduler:
             m.num_draft_tokens += seq.num_draft
             m.num_accepted_tokens += accepted
             m.num_spec_steps += 1
+            self.num_draft_tokens += seq.num_draft
+            self.num_accepted_tokens += accepted
+            if len(self.accepted_per_step) <= accepted:
+                self.accepted_per_step.extend([0] * (accepted + 1 - len(self.accepted_per_step)))
+            self.accepted_per_step[accepted] += 1
             self.kv.truncate(req.request_id, req.num_computed_tokens)
             # The accepted drafts are committed tokens, though the engine appends them to
             # the request's output only after this.

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvloop.config import parse_size
+from kvloop.engine_flags import add_engine_flags, engine_options
 from kvloop.errors import KvloopError
 
 DEFAULT_HOST = "127.0.0.1"
@@ -31,7 +32,6 @@ def _size(text: str) -> int:
 
 
 def _add_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
     p.add_argument("--host", default=DEFAULT_HOST,
                    help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
@@ -66,16 +66,7 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
                    help="larger request heads get 431 (default 16KiB)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
-    g = p.add_argument_group("engine")
-    g.add_argument("--kv-cache-memory", default="2GiB")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget per step")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (default: the model's)")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--threads", type=int, default=None)
+    add_engine_flags(p)
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -105,11 +96,7 @@ def _check(args: argparse.Namespace) -> None:
                               f"seconds, got {getattr(args, flag)}")
     if not 0 <= args.shutdown_grace < 1e6:
         raise KvloopError(f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace}")
-    for flag in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-        if getattr(args, flag) < 1:
-            raise KvloopError(f"--{flag.replace('_', '-')} must be >= 1")
-    if args.max_model_len is not None and args.max_model_len < 2:
-        raise KvloopError("--max-model-len must be >= 2")
+    engine_options(args)  # EngineConfig's own checks, in the API's words
 
 
 def _is_loopback(host: str) -> bool:
@@ -142,11 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvloop.server.app import ServerSettings, create_app
     from kvloop.server.lifecycle import build_server
 
-    engine = LLMEngine(args.model, EngineConfig(
-        kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        block_size=args.block_size, enable_prefix_caching=not args.no_prefix_caching,
-        num_threads=args.threads))
+    engine = LLMEngine(args.model, EngineConfig(**engine_options(args)))
     app = create_app(engine, ServerSettings(
         model_name=args.served_model_name, api_key=api_key, max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes, max_prompts_per_request=args.max_prompts_per_request,

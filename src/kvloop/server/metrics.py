@@ -13,7 +13,12 @@ import logging
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from kvloop.engine.outputs import RequestOutput
@@ -48,6 +53,23 @@ class _EngineCollector(Collector):
                                 st.kv.prefix_hit_rate)
         yield CounterMetricFamily("kvloop_num_preemptions",
                                   "Requests preempted (KV blocks ran out).", st.num_preemptions)
+        yield CounterMetricFamily("kvloop_spec_draft_tokens",
+                                  "Speculative draft tokens verified by the model.",
+                                  st.num_draft_tokens)
+        yield CounterMetricFamily("kvloop_spec_accepted_tokens",
+                                  "Speculative draft tokens the model accepted.",
+                                  st.num_accepted_tokens)
+        # Drafts accepted per verifying step, as a histogram with one bucket per count.
+        steps = st.accepted_per_step
+        cumulative, buckets = 0, []
+        for j, n in enumerate(steps):
+            cumulative += n
+            buckets.append((str(j), cumulative))
+        buckets.append(("+Inf", cumulative))
+        yield HistogramMetricFamily(
+            "kvloop_spec_accepted_per_step",
+            "Draft tokens accepted in each step that verified drafts.", buckets=buckets,
+            sum_value=sum(j * n for j, n in enumerate(steps)))
 
 
 class ServerMetrics:

@@ -59,6 +59,9 @@ class SamplingRequest(_Strict):
     num_beams: int | None = Field(None, le=MAX_N)
     length_penalty: float | None = None
     early_stopping: bool | Literal["never"] | None = None
+    # kvloop extensions: opt out of speculative decoding, or cap this request's drafts.
+    speculative: bool | None = None
+    num_speculative_tokens: int | None = None
 
 
 # An empty text is a prompt (the engine starts from BOS); an empty list or token list is not.

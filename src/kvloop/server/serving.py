@@ -277,7 +277,7 @@ class OpenAIServing:
                               "logit_bias": self._logit_bias(req.logit_bias), "seed": req.seed}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos",
-                     "length_penalty", "early_stopping"):
+                     "length_penalty", "early_stopping", "speculative", "num_speculative_tokens"):
             value = getattr(req, name)
             if value is not None:
                 kw[name] = value

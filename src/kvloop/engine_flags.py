@@ -1,0 +1,58 @@
+"""The engine's options as command-line flags: one definition for `kvloop generate`,
+`kvloop chat` and `kvloop serve`, so every face offers the same engine (quantization and
+speculation included) with the same words.
+
+Imports nothing heavy: `kvloop --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from kvloop.config import EngineConfig
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
+    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                   help="weight-only quantization of the linear layers (default: fp32)")
+    g.add_argument("--kv-cache-memory", default="2GiB",
+                   help="memory for all K and V blocks (default 2GiB)")
+    g.add_argument("--threads", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget per step")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-cache", action="store_true",
+                   help="re-run the whole sequence every step (no KV cache)")
+    g.add_argument("--speculative", default=None, choices=["ngram"],
+                   help="speculative decoding: 'ngram' drafts tokens by prompt lookup and the "
+                        "model verifies them in one step (same output, fewer steps)")
+    g.add_argument("--num-speculative-tokens", type=int, default=4,
+                   help="draft tokens per sequence per step, at most (default 4)")
+    g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix looked up")
+    g.add_argument("--ngram-max", type=int, default=4, help="longest suffix looked up")
+    g.add_argument("--speculative-max-batch", type=int, default=8,
+                   help="with more sequences decoding at once, none drafts (default 8)")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags as EngineConfig options, checked now (before the slow model load):
+    a bad one is the API's InvalidParamsError, printed as one line."""
+    options: dict[str, Any] = {
+        "use_cache": not args.no_cache, "kv_cache_memory": args.kv_cache_memory,
+        "num_threads": args.threads, "quantization": args.quantization,
+        "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len, "block_size": args.block_size,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
+        "ngram_min": args.ngram_min, "ngram_max": args.ngram_max,
+        "speculative_max_batch": args.speculative_max_batch,
+    }
+    EngineConfig(**options)
+    return options
