@@ -307,6 +307,10 @@ HOSTILE_TEMPLATES: dict[str, tuple[str, str]] = {
     "huge_power": ("{% set b = 100000000 %}{{ 10 ** b }}", "size limit"),
     "huge_output_many_chunks": ("{% for a in range(100000) %}{{ 'B' * 1000 }}{% endfor %}",
                                 "size limit"),
+    "huge_batch": ("{% for b in [1] | batch(2**31, 'x') %}{{ b | length }}{% endfor %}",
+                   "size limit"),
+    "huge_slice": ("{% for s in [1] | slice(2**31) %}{% endfor %}", "size limit"),
+    "huge_json_indent": ("{{ messages | tojson(indent=2**31) }}", "size limit"),
     "recursive_macro": ("{% macro m(n) %}{{ m(n + 1) }}{% endmacro %}{{ m(0) }}",
                         "recursed too deep"),
 }
@@ -479,3 +483,67 @@ def test_lone_surrogate_in_chat_content_is_invalid_params() -> None:
     assert info.value.param == "messages"
     assert "messages[1].content" in str(info.value) and "U+DFFF" in str(info.value)
     assert "character 3" in str(info.value)
+
+
+# A template in the style of the tool-calling ones models ship (written for this test): it
+# uses namespaces, loop variables, string methods, tojson with indent, a macro recursing
+# over a JSON schema, raise_exception, tests and filters. Under the limits it must render
+# exactly as jinja's plain sandbox renders it.
+RICH_TEMPLATE = """{%- macro schema(s, depth) -%}
+{%- if s.type == 'object' -%}{ {%- for k, v in s.properties | dictsort -%}
+{{ k }}: {{ schema(v, depth + 1) }}{{ ', ' if not loop.last }}{%- endfor -%} }
+{%- elif s.type == 'array' -%}[{{ schema(s['items'], depth + 1) }}]
+{%- else -%}{{ s.type | upper }}{%- endif -%}
+{%- endmacro -%}
+{%- set ns = namespace(system='', turns=0) -%}
+{%- if messages[0]['role'] == 'system' -%}{%- set ns.system = messages[0]['content'] | trim -%}
+{%- set rest = messages[1:] -%}{%- else -%}{%- set rest = messages -%}{%- endif -%}
+<|start|>system {{ ns.system or 'You are helpful.' }} {{ "%s-%02d" | format('day', 7) }}
+{%- if tools %} Tools: {{ tools | tojson(indent=4) }}
+{%- for t in tools %} {{ t.name.split('_') | join(' ') | title }}({{ schema(t.parameters, 0) }})
+{%- endfor %}{%- endif %}<|end|>
+{% for m in rest -%}
+{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+{{ raise_exception('roles must alternate user/assistant') }}{%- endif -%}
+{%- set ns.turns = ns.turns + 1 -%}
+<|start|>{{ m['role'] }} {{ m['content'].strip() ~ ('' if not m.get('name') else ' @' + m.name) }}
+{%- if m['role'] == 'assistant' and m['content'] is string and 'END' in m['content'] %} [end]
+{%- endif %}<|end|>
+{% endfor -%}
+{%- if add_generation_prompt %}<|start|>assistant {{ '{} turns'.format(ns.turns) }}
+{%- endif -%}"""
+
+TOOLS = [{"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"},
+    "days": {"type": "array", "items": {"type": "object", "properties": {
+        "n": {"type": "integer"}, "unit": {"type": "string"}}}}}}}]
+
+
+def test_limits_render_a_rich_template_exactly_like_the_plain_sandbox() -> None:
+    import jinja2.ext
+    import jinja2.sandbox
+
+    from kvloop.loading.tokenizer import _raise_exception, _strftime_now, _tojson
+
+    plain_env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    plain_env.filters["tojson"] = _tojson
+    plain_env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+    plain = plain_env.from_string(RICH_TEMPLATE)
+    tok = tokenizer(RICH_TEMPLATE)
+    chats = [
+        [{"role": "system", "content": "  Be brief.  "}, {"role": "user", "content": "hi"},
+         {"role": "assistant", "content": "ok END", "name": "bot"},
+         {"role": "user", "content": " weather? "}],
+        [{"role": "user", "content": "x" * 10_000}],
+    ]
+    for chat in chats:
+        for tools in (None, TOOLS):
+            want = plain.render(messages=chat, add_generation_prompt=True, tools=tools,
+                                bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                pad_token="", documents=None)
+            assert tok.apply_chat_template(chat, tools=tools) == want
+    rendered = tok.apply_chat_template(chats[0], tools=TOOLS)
+    assert "Get Weather({city: STRING, days: [{n: INTEGER, unit: STRING}]})" in rendered
+    with pytest.raises(KvloopError, match="roles must alternate"):
+        tok.apply_chat_template([{"role": "assistant", "content": "hi"}])

@@ -772,6 +772,8 @@ def _check_binop(op: str, left: Any, right: Any) -> None:
         _check_printf(left, right)
 
 
+_MAX_JSON_INDENT = 64  # real templates indent tool schemas by 2 or 4
+
 _PRINTF_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
 _WIDTH = re.compile(r"\d+")
 
@@ -854,13 +856,18 @@ def _check_join(items: list[Any], sep: Any) -> None:
 def _guarded_filter(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     """A filter that checks the time, pre-checks the size of what it would build (join,
     center, indent, replace, format), and checks the size of what it built."""
-    signature = inspect.signature(fn)
+    signature = inspect.signature(fn)  # of the plain function, for jinja's async variants
+    # An async-variant filter whose plain function takes no context is called with the eval
+    # context first, which its wrapper drops: so do we, to bind the arguments by name.
+    wrapped = getattr(fn, "__wrapped__", None)
+    skip = int(getattr(fn, "jinja_async_variant", False) and wrapped is not None
+               and getattr(wrapped, "jinja_pass_arg", None) is None)
 
     @functools.wraps(fn)  # keeps jinja's pass_eval_context marker on the wrapper
     def run(*args: Any, **kwargs: Any) -> Any:
         _check_time()
         try:
-            bound = signature.bind(*args, **kwargs)
+            bound = signature.bind(*args[skip:], **kwargs)
         except TypeError:
             return fn(*args, **kwargs)  # the filter reports its own misuse
         bound.apply_defaults()
@@ -878,7 +885,16 @@ def _guarded_filter(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             _check_replace(str(a["s"]), a["old"], a["new"], a["count"])
         elif name == "format" and isinstance(a["value"], str):
             _check_printf(a["value"], tuple(a["args"]) or dict(a["kwargs"]))
-        out = fn(*bound.args, **bound.kwargs)
+        elif name in ("batch", "slice"):  # filled or counted out to this many, in C or in
+            count = a["linecount" if name == "batch" else "slices"]  # jinja's untraced code
+            if isinstance(count, int):
+                _check_items(count, f"|{name}")
+        elif name == "tojson" and a["indent"] is not None:
+            indent = a["indent"]  # repeated on every line, once per nesting level
+            width = indent if isinstance(indent, int) else len(str(indent))
+            if width > _MAX_JSON_INDENT:
+                raise _too_large(f"a |tojson indent of {width} (limit {_MAX_JSON_INDENT})")
+        out = fn(*args[:skip], *bound.args, **bound.kwargs)
         if isinstance(out, str):
             _check_chars(len(out), f"|{name}")
         elif isinstance(out, list):
