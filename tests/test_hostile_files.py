@@ -547,3 +547,19 @@ def test_limits_render_a_rich_template_exactly_like_the_plain_sandbox() -> None:
     assert "Get Weather({city: STRING, days: [{n: INTEGER, unit: STRING}]})" in rendered
     with pytest.raises(KvloopError, match="roles must alternate"):
         tok.apply_chat_template([{"role": "assistant", "content": "hi"}])
+
+
+def test_a_message_that_is_not_an_object_is_invalid_params() -> None:
+    with pytest.raises(InvalidParamsError, match=r"messages\[1\] must be an object") as info:
+        tokenizer().encode_chat([{"role": "user", "content": "hi"}, "hi"])  # type: ignore[list-item]
+    assert info.value.param == "messages"
+
+
+def test_str_format_is_checked_on_jinja_versions_that_pass_it_to_call() -> None:
+    """jinja < 3.1.5 hands the bound str.format to Environment.call (newer ones wrap it at
+    attribute access): both paths are checked."""
+    from kvloop.loading.tokenizer import _check_str_call
+
+    with pytest.raises(TemplateLimitError, match="field width"):
+        _check_str_call("{:>2000000000}".format, (1,), {})
+    assert _check_str_call("{} {}".format, (1, 2), {}) == (1, 2)

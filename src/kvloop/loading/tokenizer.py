@@ -363,6 +363,11 @@ class Tokenizer:
         the messages (content, names) stay plain text, so a user cannot forge a turn.
         """
         for i, m in enumerate(messages):
+            if not isinstance(m, Mapping):
+                raise InvalidParamsError(
+                    f"messages[{i}] must be an object with role and content, got "
+                    f"{type(m).__name__}", "messages",
+                )
             for key, value in m.items():
                 _check_strings(value, f"messages[{i}].{key}")
         escaped, forged = self._escape_specials(messages)
@@ -837,6 +842,10 @@ def _check_str_call(method: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
         items = list(args[0])
         _check_join(items, text)
         args = (items, *args[1:])
+    elif name == "format":  # jinja < 3.1.5 hands str.format itself to call()
+        _check_str_format(text, args, kwargs)
+    elif name == "format_map" and args and isinstance(args[0], Mapping):
+        _check_str_format(text, (), args[0])
     return args
 
 
