@@ -289,6 +289,8 @@ HOSTILE_TEMPLATES: dict[str, tuple[str, str]] = {
                             "{% endfor %}{% endfor %}", "timed out"),
     "messages_repeated": ("{% for x in messages * 100000 %}{% for y in messages * 100000 %}"
                           "{% endfor %}{% endfor %}", "timed out|size limit"),
+    "slow_filter_loops": ("{% set s = 'a ' * 2000000 %}{{ s | wordwrap(1) | urlize }}",
+                          "timed out"),
     "huge_string_mul": ("{{ 'A' * 2**32 }}", "size limit"),
     "huge_string_mul_var": ("{% set n = 2**32 %}{{ 'A' * n }}", "size limit"),
     "huge_string_tilde_loop": ("{% set ns = namespace(s='A') %}{% for i in range(64) %}"

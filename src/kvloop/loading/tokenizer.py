@@ -932,18 +932,20 @@ def _guarded_str_join(seq: Iterable[Any]) -> str:
     return "".join(parts)
 
 
-def _trace_template_lines(frame: types.FrameType, event: str, arg: Any) -> Any:
-    """Local trace function of template code: the deadline, at every line. This is what
-    stops loops that call nothing and print nothing (nested `for` over ranges)."""
-    if event == "line":
+def _trace_lines(frame: types.FrameType, event: str, arg: Any) -> Any:
+    """Local trace function during a render: the deadline, at every line. This is what
+    stops loops that call nothing and print nothing (nested `for` over ranges), and long
+    Python loops inside filters (|wordwrap, |urlize, |groupby on megabytes of text)."""
+    if event == "line" and time.monotonic() > _budget.deadline:  # _check_time, inlined
         _check_time()
-    return _trace_template_lines
+    return _trace_lines
 
 
 def _trace_calls(frame: types.FrameType, event: str, arg: Any) -> Any:
-    # Only the compiled template's own frames are traced line by line; jinja's runtime and
-    # ours run at full speed.
-    return _trace_template_lines if frame.f_code.co_filename == "<template>" else None
+    # Every Python frame of the render, jinja's runtime and filters included: their loops
+    # over a template's (size-limited) values can run for seconds too. C-level work is what
+    # the size pre-checks bound. Not this module's own checks: short, and they run often.
+    return None if frame.f_code.co_filename == __file__ else _trace_lines
 
 
 class _LimitedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
