@@ -313,6 +313,17 @@ HOSTILE_TEMPLATES: dict[str, tuple[str, str]] = {
                    "size limit"),
     "huge_slice": ("{% for s in [1] | slice(2**31) %}{% endfor %}", "size limit"),
     "huge_json_indent": ("{{ messages | tojson(indent=2**31) }}", "size limit"),
+    **{  # nested list literals: no operator builds them, str() of them is one C call
+        f"nested_lists_{how}": (
+            "{% set s = 'A' * 4000000 %}{% set a = [s, s, s, s, s, s, s, s, s, s] %}"
+            "{% set b = [a, a, a, a, a, a, a, a, a, a] %}"
+            "{% set c = [b, b, b, b, b, b, b, b, b, b] %}" + use, "size limit")
+        for how, use in (("output", "{{ c }}"), ("tilde", "{{ c ~ '' }}"),
+                         ("string", "{{ c | string }}"), ("replace", "{{ c | replace('a', 'b') }}"),
+                         ("tojson", "{{ c | tojson }}"),
+                         ("namespace", "{% set ns = namespace(x=c) %}{{ ns }}"))
+    },
+    "huge_precisions": ("{{ '%.4000000f%.4000000f' % (1.0, 1.0) }}", "size limit"),
     "recursive_macro": ("{% macro m(n) %}{{ m(n + 1) }}{% endmacro %}{{ m(0) }}",
                         "recursed too deep"),
 }

@@ -748,6 +748,9 @@ def _weight(value: Any) -> int:
         elif isinstance(v, list | tuple | set | frozenset):
             total += 2 + 2 * len(v)
             stack.extend(v)
+        elif isinstance(v, jinja2.runtime.Namespace):  # prints its attributes
+            total += 12
+            stack.append(object.__getattribute__(v, "_Namespace__attrs"))
         else:
             total += 4
     return total
@@ -783,44 +786,46 @@ _PRINTF_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
 _WIDTH = re.compile(r"\d+")
 
 
-def _check_width(digits: str) -> None:
+def _check_width(digits: str) -> int:
     if len(digits) > 9 or int(digits) > TEMPLATE_MAX_CHARS:
         raise _too_large(f"a field width of {digits[:12]} characters")
+    return int(digits)
 
 
 def _check_printf(fmt: str, args: Any) -> None:
-    """`fmt % args`: each field is at most its width or the whole of `args`."""
-    fields = 0
+    """`fmt % args`: each field is at most its width (or precision) plus all of `args`."""
+    bound = len(fmt)
     for m in _PRINTF_SPEC.finditer(fmt):
-        fields += 1
+        bound += _weight(args)
         for g in m.groups():
             if g == "*":  # the width comes from args
                 values = args if isinstance(args, tuple) else (args,)
                 if any(isinstance(a, int) and abs(a) > TEMPLATE_MAX_CHARS for a in values):
                     raise _too_large(f"a field width over {TEMPLATE_MAX_CHARS}")
+                bound += TEMPLATE_MAX_CHARS // 2  # two such fields are over the limit
             elif g:
-                _check_width(g)
-    _check_chars(len(fmt) + fields * _weight(args), "a %-formatted string")
+                bound += _check_width(g)
+        _check_chars(bound, "a %-formatted string")
 
 
 def _check_str_format(fmt: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
     """`fmt.format(*args, **kwargs)`, checked like `%`."""
-    fields = 0
     try:
         parsed = list(string.Formatter().parse(fmt))
     except ValueError:
         return  # str.format raises the same error itself
+    bound = len(fmt)
     for _, name, spec, _ in parsed:
         if name is None:
             continue
-        fields += 1
+        bound += _weight(args) + _weight(kwargs)
         for digits in _WIDTH.findall(spec or ""):
-            _check_width(digits)
+            bound += _check_width(digits)
+        _check_chars(bound, "a formatted string")
     nested = "{" in "".join(spec or "" for _, _, spec, _ in parsed)  # {:{w}}
     if nested and any(isinstance(a, int) and abs(a) > TEMPLATE_MAX_CHARS
                       for a in (*args, *kwargs.values())):
         raise _too_large(f"a field width over {TEMPLATE_MAX_CHARS}")
-    _check_chars(len(fmt) + fields * (_weight(args) + _weight(kwargs)), "a formatted string")
 
 
 def _check_str_call(method: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -862,6 +867,14 @@ def _check_join(items: list[Any], sep: Any) -> None:
     _check_chars(_weight(items) + len(str(sep)) * len(items), "a join()")
 
 
+# Filters that turn their input into text: its size is checked before they do.
+_STRINGIFYING = frozenset({
+    "string", "tojson", "pprint", "replace", "indent", "center", "wordwrap", "truncate",
+    "title", "capitalize", "upper", "lower", "trim", "striptags", "urlize", "urlencode",
+    "wordcount", "format", "escape", "e", "forceescape", "safe", "xmlattr",
+})
+
+
 def _guarded_filter(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     """A filter that checks the time, pre-checks the size of what it would build (join,
     center, indent, replace, format), and checks the size of what it built."""
@@ -871,6 +884,9 @@ def _guarded_filter(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     wrapped = getattr(fn, "__wrapped__", None)
     skip = int(getattr(fn, "jinja_async_variant", False) and wrapped is not None
                and getattr(wrapped, "jinja_pass_arg", None) is None)
+    # The filtered value: the first parameter after any context jinja passes.
+    value_param = next((p for p in signature.parameters
+                        if p not in ("eval_ctx", "context", "environment", "env")), None)
 
     @functools.wraps(fn)  # keeps jinja's pass_eval_context marker on the wrapper
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -881,13 +897,15 @@ def _guarded_filter(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)  # the filter reports its own misuse
         bound.apply_defaults()
         a = bound.arguments
+        if name in _STRINGIFYING and value_param:  # str() of a huge list: one C-level call
+            _check_chars(_weight(a[value_param]), f"|{name}")
         if name == "join":
             a["value"] = list(a["value"])
             _check_join(a["value"], a["d"])
         elif name == "center" and isinstance(a["width"], int):
             _check_chars(a["width"], "|center")
         elif name == "indent":
-            text, width = str(a["s"]), a["width"]
+            text, width = str(a["s"]), a["width"]  # (weight checked above)
             pad = width if isinstance(width, int) else len(str(width))
             _check_chars(len(text) + (text.count("\n") + 1) * pad, "|indent")
         elif name == "replace":
@@ -927,9 +945,19 @@ def _guarded_concat(chunks: Iterable[str]) -> str:
 
 def _guarded_str_join(seq: Iterable[Any]) -> str:
     """The `~` operator (compiled to runtime.str_join), size-checked before it joins."""
-    parts = [str(x) for x in seq]
+    items = list(seq)
+    _check_chars(sum(_weight(x) for x in items), "a ~ concatenation")
+    parts = [str(x) for x in items]
     _check_chars(sum(map(len, parts)), "a ~ concatenation")
     return "".join(parts)
+
+
+def _checked_output(value: Any) -> Any:
+    """The environment's `finalize`: every `{{ value }}` passes here before str(value), one
+    C-level call that a list nesting huge strings would make huge."""
+    if not isinstance(value, str):
+        _check_chars(_weight(value), "an output value")
+    return value
 
 
 def _trace_lines(frame: types.FrameType, event: str, arg: Any) -> Any:
@@ -1046,7 +1074,8 @@ def _compile_template(source: str) -> jinja2.Template:
     # Templates come from model files: untrusted code, hence the immutable sandbox, with the
     # TEMPLATE_* limits on top.
     env = _LimitedSandbox(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
+        finalize=_checked_output,
     )
     env.concat = _guarded_concat  # type: ignore[method-assign]
     env.filters["tojson"] = _tojson
