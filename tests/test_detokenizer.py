@@ -154,6 +154,6 @@ def test_real_vocab_stream_equals_decode(tok: Tokenizer, text: str):
 @pytest.mark.slow
 def test_real_vocab_chat_stream(tok: Tokenizer):
     prompt = tok.encode_chat([{"role": "user", "content": "Say hi in Japanese"}])
-    reply = tok.encode("こんにちは！😊<|im_end|>")
+    reply = tok.encode("こんにちは！😊<|im_end|>", parse_special=True)
     detok = IncrementalDetokenizer(tok, prompt_ids=prompt)
     assert "".join(stream(detok, reply)) == "こんにちは！😊"

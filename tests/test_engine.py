@@ -146,3 +146,23 @@ def test_logprobs_and_top_logprobs(tiny):
     assert out.top_logprobs is not None and all(len(t) == 3 for t in out.top_logprobs)
     for tok, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True):
         assert top[0][0] == tok and abs(top[0][1] - lp) < 1e-6  # greedy: chosen = best
+
+
+def test_running_outputs_are_deltas_and_the_final_output_is_whole(tiny):
+    """Each step's output carries only what is new (no copy of the history); the deltas
+    concatenate to the final output's text, token ids and log-probs."""
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2,
+                            stop=["zz"])
+    outs = list(tiny.stream_outputs("The quick", params))
+    final = outs[-1].outputs[0]
+    assert outs[-1].finished and all(not o.finished for o in outs[:-1])
+    for o in outs[:-1]:
+        c = o.outputs[0]
+        assert c.text == "" and c.token_ids == [] and c.logprobs == []
+        assert len(c.delta_logprobs) == len(c.delta_top_logprobs) == len(c.delta_token_ids)
+    cs = [o.outputs[0] for o in outs]
+    assert "".join(c.delta for c in cs) == final.text
+    assert [t for c in cs for t in c.delta_token_ids] == final.token_ids
+    assert [lp for c in cs for lp in c.delta_logprobs] == final.logprobs
+    assert [row for c in cs for row in c.delta_top_logprobs] == final.top_logprobs
+    assert final.cumulative_logprob == pytest.approx(sum(final.logprobs))

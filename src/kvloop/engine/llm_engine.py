@@ -463,14 +463,15 @@ class LLMEngine:
         group.seqs = [m[0] for m in moves]
         if step.done:
             n_ret = group.params.num_return_sequences or group.params.num_beams
-            group.beam_results = [
-                CompletionOutput(
-                    index=i, text=self.tokenizer.decode(h.token_ids), token_ids=h.token_ids,
+            group.beam_results = []
+            for i, h in enumerate(group.beam.results(n_ret)):
+                text = self.tokenizer.decode(h.token_ids)
+                group.beam_results.append(CompletionOutput(
+                    index=i, text=text, token_ids=h.token_ids,
                     finish_reason=("stop" if h.token_ids and h.token_ids[-1] in
                                    group.beam.eos_token_ids else "length"),
-                    cumulative_logprob=h.cumulative_logprob, score=h.score)
-                for i, h in enumerate(group.beam.results(n_ret))
-            ]
+                    cumulative_logprob=h.cumulative_logprob, score=h.score,
+                    delta=text, delta_token_ids=list(h.token_ids)))  # arrives whole
             group.seqs = live[:1]  # keeps the metrics holder
 
     def _make_output(self, group: _Group) -> RequestOutput:
@@ -479,23 +480,28 @@ class LLMEngine:
             first.metrics.finished_time = time.perf_counter() if group.finished else None
             return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids,
                                  group.beam_results or [], group.finished, first.metrics)
+        # The whole history only once, in the final output; a running output carries what
+        # is new this step (copying every list every step made a request O(n^2)).
+        final = group.finished
         comps = []
         for s in group.seqs:
             req = s.request
-            done = req.is_finished
-            delta, delta_ids = s.take_delta(done)
-            want_lp = req.params.logprobs is not None
+            delta, delta_ids = s.take_delta(req.is_finished)
+            n_new = len(s.logprobs) - len(delta_ids)
+            want_lp, want_top = req.params.logprobs is not None, bool(req.params.logprobs)
             comps.append(CompletionOutput(
                 index=s.index,
-                text=s.text if done else s.text[: s.emitted],
-                token_ids=list(req.output_token_ids),
+                text=s.text if final else "",
+                token_ids=list(req.output_token_ids) if final else [],
                 finish_reason=req.finish_reason,
                 stop_reason=req.stop_reason,
-                logprobs=list(s.logprobs) if want_lp else None,
-                top_logprobs=list(s.top_logprobs) if req.params.logprobs else None,
-                cumulative_logprob=sum(s.logprobs),
+                logprobs=(list(s.logprobs) if final else []) if want_lp else None,
+                top_logprobs=(list(s.top_logprobs) if final else []) if want_top else None,
+                cumulative_logprob=s.cumulative_logprob,
                 delta=delta,
                 delta_token_ids=delta_ids,
+                delta_logprobs=s.logprobs[n_new:] if want_lp else None,
+                delta_top_logprobs=s.top_logprobs[n_new:] if want_top else None,
             ))
         return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, comps,
                              group.finished, first.metrics)

@@ -23,6 +23,7 @@ class SeqOutputState:
     emitted_tokens: int = 0
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
 
     @property
     def request_id(self) -> str:
@@ -34,6 +35,7 @@ class SeqOutputState:
         req, p = self.request, self.request.params
         req.output_token_ids.append(token_id)
         self.logprobs.append(logprob)
+        self.cumulative_logprob += logprob
         if p.logprobs:
             self.top_logprobs.append(top or [])
         n_out = len(req.output_token_ids)

@@ -9,6 +9,10 @@ from kvloop.request import RequestMetrics
 
 @dataclass
 class CompletionOutput:
+    """One sequence's output. While the request runs, an output carries only what is new
+    since the previous one (the delta_* fields); the final output (RequestOutput.finished)
+    also carries the whole text, token ids and log-probs."""
+
     index: int
     text: str
     token_ids: list[int]
@@ -21,6 +25,9 @@ class CompletionOutput:
     score: float | None = None  # beam search: transformers' sequences_scores convention
     delta: str = ""  # text added since the previous output of this request (streaming)
     delta_token_ids: list[int] = field(default_factory=list)
+    # Log-probs of delta_token_ids (None when not asked for), like logprobs/top_logprobs.
+    delta_logprobs: list[float] | None = None
+    delta_top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def finished(self) -> bool:

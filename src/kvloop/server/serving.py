@@ -148,7 +148,7 @@ class OpenAIServing:
             for c in out.outputs:
                 choices.append(CompletionChoice(
                     index=k * job.choices_per_prompt + c.index, text=c.text,
-                    logprobs=self._completion_logprobs(c, c.token_ids, 0),
+                    logprobs=self._completion_logprobs(c.token_ids, c.logprobs, c.top_logprobs, 0),
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason))
         resp = CompletionResponse(id=job.request_id, model=self.model_name, choices=choices,
                                   usage=_usage(finals))
@@ -182,7 +182,7 @@ class OpenAIServing:
             return self._sse(job, raw, self._chat_chunks(job, include_usage))
         out = (await self._collect(job, raw))[0]
         choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                              logprobs=self._chat_logprobs(c, c.token_ids),
+                              logprobs=self._chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs),
                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                    for c in out.outputs]
         resp = ChatCompletionResponse(id=job.request_id, model=self.model_name,
@@ -404,32 +404,30 @@ class OpenAIServing:
     # -- streaming ------------------------------------------------------------------------------
     async def _deltas(self, job: _Job, finals: dict[int, RequestOutput]
                       ) -> AsyncIterator[_Delta]:
-        """What each choice gained since it was last sent, one item per changed choice.
-
-        Counted here from each output's text and token ids rather than taken from the
-        engine's per-step delta, so an output that arrives whole (beam search) streams too.
-        """
-        sent: dict[int, tuple[int, int]] = {}  # choice -> (characters, tokens) sent
+        """What each choice gained since it was last sent, one item per changed choice:
+        the engine's per-step deltas (an output that arrives whole, a beam search's, has
+        all of it as its delta)."""
+        ended: set[int] = set()  # choices whose last chunk was sent
         want_lp = job.params.logprobs is not None
         async for k, out in _merge(job.streams):
             finals[k] = out
             for c in out.outputs:
                 idx = k * job.choices_per_prompt + c.index
-                chars, toks = sent.get(idx, (0, 0))
-                if chars < 0:
-                    continue  # this choice already ended
-                text, ids = c.text[chars:], c.token_ids[toks:]
-                ending = c.finish_reason is not None
-                if not (text or ending or (want_lp and ids)):
+                if idx in ended:
                     continue
-                sent[idx] = (-1, -1) if ending else (len(c.text), len(c.token_ids))
-                yield _Delta(idx, c, text, ids, ending)
+                ending = c.finish_reason is not None
+                if not (c.delta or ending or (want_lp and c.delta_token_ids)):
+                    continue
+                if ending:
+                    ended.add(idx)
+                yield _Delta(idx, c, c.delta, c.delta_token_ids, ending)
 
     async def _completion_chunks(self, job: _Job, include_usage: bool) -> AsyncIterator[str]:
         finals: dict[int, RequestOutput] = {}
         offsets: dict[int, int] = {}  # choice -> text offset of its next token
         async for d in self._deltas(job, finals):
-            lp = self._completion_logprobs(d.output, d.token_ids, offsets.get(d.index, 0))
+            lp = self._completion_logprobs(d.token_ids, d.output.delta_logprobs,
+                                           d.output.delta_top_logprobs, offsets.get(d.index, 0))
             if lp is not None and lp.tokens:
                 offsets[d.index] = lp.text_offset[-1] + len(lp.tokens[-1])
             choice = CompletionChoice(
@@ -455,7 +453,8 @@ class OpenAIServing:
         async for d in self._deltas(job, finals):
             yield chunk([ChatChunkChoice(
                 index=d.index, delta=ChatDelta(content=d.text or None),
-                logprobs=self._chat_logprobs(d.output, d.token_ids),
+                logprobs=self._chat_logprobs(d.token_ids, d.output.delta_logprobs,
+                                             d.output.delta_top_logprobs),
                 finish_reason=d.output.finish_reason if d.ending else None,
                 stop_reason=d.output.stop_reason if d.ending else None)])
         if include_usage and finals:
@@ -469,32 +468,28 @@ class OpenAIServing:
             self._token_text[token_id] = text
         return text
 
-    @staticmethod
-    def _tail(c: CompletionOutput, n: int) -> tuple[list[float], list[list[tuple[int, float]]]]:
-        """The logprobs (and top logprobs) of the last `n` tokens of `c`."""
-        lps = (c.logprobs or [])[len(c.token_ids) - n:] if n else []
-        tops = (c.top_logprobs or [])[len(c.token_ids) - n:] if n and c.top_logprobs else []
-        return lps, tops
-
-    def _completion_logprobs(self, c: CompletionOutput, ids: Sequence[int],
+    def _completion_logprobs(self, ids: Sequence[int], lps: list[float] | None,
+                             tops: list[list[tuple[int, float]]] | None,
                              offset: int) -> CompletionLogprobs | None:
-        if c.logprobs is None:
+        """OpenAI's completions logprobs of tokens `ids` (their log-probs `lps`, top
+        alternatives `tops`), the first at text offset `offset`; None when not asked for."""
+        if lps is None:
             return None
-        lps, tops = self._tail(c, len(ids))
         tokens = [self.token_text(t) for t in ids]
         offsets = []
         for tok in tokens:
             offsets.append(offset)
             offset += len(tok)
         top = ([{self.token_text(t): lp for t, lp in row} for row in tops]
-               if c.top_logprobs is not None else None)
+               if tops is not None else None)
         return CompletionLogprobs(tokens=tokens, token_logprobs=lps, top_logprobs=top,
                                   text_offset=offsets)
 
-    def _chat_logprobs(self, c: CompletionOutput, ids: Sequence[int]) -> ChatLogprobs | None:
-        if c.logprobs is None:
+    def _chat_logprobs(self, ids: Sequence[int], lps: list[float] | None,
+                       tops: list[list[tuple[int, float]]] | None) -> ChatLogprobs | None:
+        if lps is None:
             return None
-        lps, tops = self._tail(c, len(ids))
+        tops = tops or []
         content = []
         for i, (t, lp) in enumerate(zip(ids, lps, strict=False)):
             text = self.token_text(t)
