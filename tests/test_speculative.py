@@ -9,9 +9,10 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from conftest import inject_forward_failure
+from conftest import inject_forward_failure, write_tiny_model
 from kvloop.config import EngineConfig
 from kvloop.engine.llm_engine import LLMEngine
+from kvloop.errors import InvalidParamsError, ModelLoadError
 from kvloop.params import SamplingParams
 from kvloop.runner import kv_cache_bytes_per_block
 from kvloop.sampling import Sampler, SamplingRow
@@ -29,8 +30,16 @@ PROMPTS = [
 ]
 
 
-def make_engine(model_dir, speculate: bool, **kw) -> LLMEngine:
-    spec = dict(speculative="ngram", ngram_min=1, ngram_max=3) if speculate else {}
+# Every proposer: prompt lookup, and the model's own quantized weights as a draft model.
+METHODS = ["ngram", "self:int8", "self:int4"]
+
+
+def make_engine(model_dir, method: str | None, **kw) -> LLMEngine:
+    spec: dict = {}
+    if method == "ngram":
+        spec = dict(speculative="ngram", ngram_min=1, ngram_max=3)
+    elif method is not None:
+        spec = dict(speculative=method)
     return LLMEngine(str(model_dir), EngineConfig(block_size=16, **spec, **kw))
 
 
@@ -44,6 +53,9 @@ def run(engine: LLMEngine, prompts, params) -> dict:
                 finals[out.request_id] = out
     stats = engine.stats()
     assert stats.kv.num_used_blocks == 0 and stats.num_running == stats.num_waiting == 0
+    draft_kv = getattr(engine.proposer, "kv", None)  # a draft model's own pool
+    if draft_kv is not None:
+        assert draft_kv.pool.num_free == draft_kv.pool.num_blocks
     return finals
 
 
@@ -59,11 +71,12 @@ PARAMS = {
 }
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("name", list(PARAMS))
-def test_greedy_with_ngram_drafts_is_token_identical(tiny_model_dir, name):
+def test_greedy_with_drafts_is_token_identical(tiny_model_dir, name, method):
     params = PARAMS[name]
-    base = run(make_engine(tiny_model_dir, False), PROMPTS, params)
-    engine = make_engine(tiny_model_dir, True)
+    base = run(make_engine(tiny_model_dir, None), PROMPTS, params)
+    engine = make_engine(tiny_model_dir, method)
     spec = run(engine, PROMPTS, params)
     drafted = accepted = 0
     for rid, out in base.items():
@@ -82,31 +95,33 @@ def test_greedy_with_ngram_drafts_is_token_identical(tiny_model_dir, name):
         assert accepted > 0  # (penalties steer the model away from repeating itself)
 
 
-def test_stop_string_inside_an_accepted_run(tiny_model_dir):
+@pytest.mark.parametrize("method", METHODS)
+def test_stop_string_inside_an_accepted_run(tiny_model_dir, method):
     """A stop found in the middle of an accepted run ends the output there."""
-    probe = run(make_engine(tiny_model_dir, False), PROMPTS[:1],
+    probe = run(make_engine(tiny_model_dir, None), PROMPTS[:1],
                 SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     text = probe["r0"].outputs[0].text
     stop = text[len(text) // 2: len(text) // 2 + 3]
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[stop],
                             stop_token_ids=[probe["r0"].outputs[0].token_ids[25]])
-    a = run(make_engine(tiny_model_dir, False), PROMPTS[:1], params)["r0"].outputs[0]
-    b = run(make_engine(tiny_model_dir, True), PROMPTS[:1], params)["r0"].outputs[0]
+    a = run(make_engine(tiny_model_dir, None), PROMPTS[:1], params)["r0"].outputs[0]
+    b = run(make_engine(tiny_model_dir, method), PROMPTS[:1], params)["r0"].outputs[0]
     assert (b.text, b.token_ids, b.finish_reason, b.stop_reason) == \
            (a.text, a.token_ids, a.finish_reason, a.stop_reason)
 
 
+@pytest.mark.parametrize("method", METHODS)
 def test_greedy_identical_in_a_mixed_batch_with_chunked_prefill_and_preemption(
-        tiny_model_dir):
+        tiny_model_dir, method):
     prompts = [p * 3 for p in PROMPTS] * 3
     params = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)] * len(prompts)
     params[1] = SamplingParams(max_tokens=20, num_beams=2)  # never speculates
     # A small pool (preemption) and a small token budget (chunked prefill).
-    kw = dict(kv_cache_memory=40 * kv_cache_bytes_per_block(2, 2, 16, 16),
+    kw = dict(kv_cache_memory=24 * kv_cache_bytes_per_block(2, 2, 16, 16),
               max_num_batched_tokens=32)
-    base_engine = make_engine(tiny_model_dir, False, **kw)
+    base_engine = make_engine(tiny_model_dir, None, **kw)
     base = run(base_engine, prompts, params)
-    engine = make_engine(tiny_model_dir, True, speculative_max_batch=64, **kw)
+    engine = make_engine(tiny_model_dir, method, speculative_max_batch=64, **kw)
     spec = run(engine, prompts, params)
     assert engine.scheduler.num_preemptions > 0
     for rid, out in base.items():
@@ -116,7 +131,8 @@ def test_greedy_identical_in_a_mixed_batch_with_chunked_prefill_and_preemption(
 
 
 def test_no_drafts_when_the_batch_is_compute_bound(tiny_model_dir):
-    engine = make_engine(tiny_model_dir, True, speculative_max_batch=2)
+    method = "ngram"
+    engine = make_engine(tiny_model_dir, method, speculative_max_batch=2)
     outs = run(engine, PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     assert all(o.metrics.num_draft_tokens == 0 for o in outs.values())
 
@@ -166,22 +182,24 @@ def test_rejection_sampling_has_the_target_distribution(accept_all):
         assert pvalue > 1e-3
 
 
-def test_sampled_requests_with_drafts_finish_and_release(tiny_model_dir):
-    engine = make_engine(tiny_model_dir, True)
+@pytest.mark.parametrize("method", METHODS)
+def test_sampled_requests_with_drafts_finish_and_release(tiny_model_dir, method):
+    engine = make_engine(tiny_model_dir, method)
     params = SamplingParams(temperature=0.7, top_k=20, max_tokens=30, ignore_eos=True, seed=3)
     outs = run(engine, PROMPTS, params)
     assert all(len(o.outputs[0].token_ids) == 30 for o in outs.values())
     assert sum(o.metrics.num_draft_tokens for o in outs.values()) > 0
 
 
-def test_failed_speculative_step_commits_no_draft(tiny_model_dir):
+@pytest.mark.parametrize("method", METHODS)
+def test_failed_speculative_step_commits_no_draft(tiny_model_dir, method):
     """A forward that raises in a step verifying drafts commits none of them: the request
     fails, its blocks are freed, and a request with the same prefix gets cold tokens."""
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompt = PROMPTS[0] * 4  # three full blocks, and lookup finds drafts at once
-    cold = run(make_engine(tiny_model_dir, False), [prompt], params)["r0"]
+    cold = run(make_engine(tiny_model_dir, None), [prompt], params)["r0"]
 
-    engine = make_engine(tiny_model_dir, True)
+    engine = make_engine(tiny_model_dir, method)
     engine.add_request("victim", prompt, params)
     victim = engine.scheduler.requests["victim"]
     for _ in range(20):  # until lookup finds drafts (the model's output repeats itself)
@@ -202,7 +220,8 @@ def test_failed_speculative_step_commits_no_draft(tiny_model_dir):
 
 
 def test_per_request_opt_out_and_cap(tiny_model_dir):
-    engine = make_engine(tiny_model_dir, True)
+    method = "self:int8"
+    engine = make_engine(tiny_model_dir, method)
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, speculative=False),
               SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
                              num_speculative_tokens=1)]
@@ -214,10 +233,49 @@ def test_per_request_opt_out_and_cap(tiny_model_dir):
 
 def test_ngram_proposer_finds_the_latest_longest_match():
     p = NgramProposer(1, 3)
-    assert p.propose([1, 2, 3, 4, 9, 1, 2, 3], 2) == [4, 9]
-    assert p.propose([1, 2, 3, 7, 2, 3, 8, 2, 3], 5) == [8, 2, 3]  # latest of two matches
-    assert p.propose([5, 6, 7, 5], 3) == [6, 7, 5]
-    assert p.propose([1, 2, 3], 2) == [] and p.propose([1], 3) == []
-    assert NgramProposer(2, 3).propose([4, 1, 9, 1], 3) == []  # a 1-gram is too short
+    assert p.lookup([1, 2, 3, 4, 9, 1, 2, 3], 2) == [4, 9]
+    assert p.lookup([1, 2, 3, 7, 2, 3, 8, 2, 3], 5) == [8, 2, 3]  # latest of two matches
+    assert p.lookup([5, 6, 7, 5], 3) == [6, 7, 5]
+    assert p.lookup([1, 2, 3], 2) == [] and p.lookup([1], 3) == []
+    assert NgramProposer(2, 3).lookup([4, 1, 9, 1], 3) == []  # a 1-gram is too short
     with pytest.raises(ValueError):
         NgramProposer(3, 2)
+
+
+def test_a_separate_draft_model_with_the_same_tokenizer(tiny_model_dir, tmp_path):
+    """draft:PATH: another (here: differently seeded) model drafts; output is the target's."""
+    draft = write_tiny_model(tmp_path / "draft", seed=7)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    base = run(make_engine(tiny_model_dir, None), PROMPTS, params)
+    spec = run(make_engine(tiny_model_dir, f"draft:{draft}"), PROMPTS, params)
+    for rid, out in base.items():
+        assert spec[rid].outputs[0].token_ids == out.outputs[0].token_ids
+    assert sum(o.metrics.num_draft_tokens for o in spec.values()) > 0
+
+
+def test_draft_models_that_cannot_work_are_refused(tiny_model_dir, tmp_path):
+    other = write_tiny_model(tmp_path / "other-vocab", vocab_size=300)
+    with pytest.raises(ModelLoadError, match="does not share the target's tokenizer"):
+        make_engine(tiny_model_dir, f"draft:{other}")
+    with pytest.raises(InvalidParamsError, match="smaller weights") as info:
+        EngineConfig(speculative="self:int4", quantization="int4")
+    assert info.value.param == "speculative"
+    for bad in ("draft:", "self:fp16", "eagle"):
+        with pytest.raises(InvalidParamsError):
+            EngineConfig(speculative=bad)
+
+
+def test_a_failing_proposer_costs_drafts_not_requests(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, "self:int8")
+
+    def broken(requests):
+        raise RuntimeError("draft model exploded")
+
+    engine.proposer.propose = broken  # type: ignore[union-attr,method-assign]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    base = run(make_engine(tiny_model_dir, None), PROMPTS[:2], params)
+    outs = run(engine, PROMPTS[:2], params)
+    for rid, out in base.items():
+        assert outs[rid].error is None
+        assert outs[rid].outputs[0].token_ids == out.outputs[0].token_ids
+        assert outs[rid].metrics.num_draft_tokens == 0

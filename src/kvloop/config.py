@@ -32,6 +32,20 @@ class ModelConfig:
     attention_bias: bool = False  # Qwen2: biases on q/k/v projections
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # What sets Gemma apart; the defaults are the Llama family's. layer_types names each
+    # layer's attention as HF does ("full_attention" / "sliding_attention"); empty: every
+    # layer attends to the whole context.
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None  # keys a sliding layer sees, its own position included
+    rope_local_theta: float | None = None  # rope base of the sliding layers (None: rope_theta)
+    query_pre_attn_scalar: float | None = None  # attention scale is this**-0.5 (None: head_dim)
+    hidden_act: str = "silu"  # the MLP's gate activation: "silu" or "gelu_pytorch_tanh"
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+
+    def is_sliding(self, layer: int) -> bool:
+        """Whether `layer` attends only to the last `sliding_window` positions."""
+        return (self.sliding_window is not None and layer < len(self.layer_types)
+                and self.layer_types[layer] == "sliding_attention")
 
     @property
     def q_size(self) -> int:
@@ -97,7 +111,9 @@ def parse_size(text: str | int, param: str | None = None) -> int:
 # The weight-only quantization modes; kept equal to kvloop.quant.QUANTIZATIONS (a test checks)
 # because config sits below quant in the layers and must not import it.
 QUANTIZATIONS = ("none", "int8", "int4")
-SPECULATIVE_METHODS = (None, "ngram")
+# None (off), prompt lookup, or a draft model: this model with int4/int8 weights ("self:"),
+# or "draft:PATH", another model file sharing this one's tokenizer.
+SPECULATIVE_METHODS = (None, "ngram", "self:int4", "self:int8")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_BLOCK_SIZE = 1024  # tokens per KV block: larger only wastes the last block's slots
 MAX_NUM_SEQS = 65536
@@ -136,8 +152,10 @@ class EngineConfig:
     use_kernels: bool = True
     # Weight-only quantization of the linear layers: "none" (fp32), "int8" or "int4".
     quantization: str = "none"
-    # Speculative decoding: None (off) or "ngram" (prompt lookup: drafts copied from the
-    # sequence's own earlier tokens, verified by the model in the same batch).
+    # Speculative decoding: None (off); "ngram" (prompt lookup: drafts copied from the
+    # sequence's own earlier tokens); "self:int4" / "self:int8" (this model with quantized
+    # weights drafts); "draft:PATH" (a smaller model with the same tokenizer drafts). The
+    # model verifies the drafts in the same batch.
     speculative: str | None = None
     num_speculative_tokens: int = 4  # drafts per sequence per step, at most
     ngram_min: int = 1  # suffix lengths the lookup tries, longest first
@@ -167,9 +185,15 @@ class EngineConfig:
                            if cpus else f"an integer >= 1 and <= {MAX_THREADS_UNKNOWN_CPUS}")
         if self.quantization not in QUANTIZATIONS:
             raise _bad("quantization", self.quantization, f"one of {', '.join(QUANTIZATIONS)}")
-        if self.speculative not in SPECULATIVE_METHODS:
+        if not (self.speculative in SPECULATIVE_METHODS or (
+                isinstance(self.speculative, str) and self.speculative.startswith("draft:")
+                and len(self.speculative) > len("draft:"))):
             raise _bad("speculative", self.speculative,
-                       f"one of {', '.join(map(str, SPECULATIVE_METHODS))}")
+                       f"one of {', '.join(map(str, SPECULATIVE_METHODS))} or draft:PATH")
+        if self.speculative == f"self:{self.quantization}":
+            raise _bad("speculative", self.speculative,
+                       "a draft with smaller weights than the target's (--quantization "
+                       f"{self.quantization})")
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1,
                    MAX_SPECULATIVE_TOKENS)
         _check_int("ngram_max", self.ngram_max, 1, MAX_SPECULATIVE_TOKENS)

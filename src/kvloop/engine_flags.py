@@ -30,9 +30,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-cache", action="store_true",
                    help="re-run the whole sequence every step (no KV cache)")
-    g.add_argument("--speculative", default=None, choices=["ngram"],
-                   help="speculative decoding: 'ngram' drafts tokens by prompt lookup and the "
-                        "model verifies them in one step (same output, fewer steps)")
+    g.add_argument("--speculative", default=None, metavar="METHOD",
+                   help="speculative decoding: 'ngram' (prompt lookup), 'self:int4' or "
+                        "'self:int8' (this model with quantized weights drafts), or "
+                        "'draft:PATH' (a smaller model with the same tokenizer drafts); the "
+                        "model verifies the drafts in one step (same output, fewer steps)")
     g.add_argument("--num-speculative-tokens", type=int, default=4,
                    help="draft tokens per sequence per step, at most (default 4)")
     g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix looked up")

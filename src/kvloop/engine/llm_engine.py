@@ -24,7 +24,7 @@ from kvloop.config import EngineConfig, ModelConfig
 from kvloop.engine.detokenizer import IncrementalDetokenizer
 from kvloop.engine.output_state import SeqOutputState
 from kvloop.engine.outputs import CompletionOutput, RequestOutput
-from kvloop.errors import InvalidParamsError, PromptTooLongError
+from kvloop.errors import InvalidParamsError, ModelLoadError, PromptTooLongError
 from kvloop.kv_cache import KVCacheManager
 from kvloop.loading.loader import Checkpoint, load_checkpoint
 from kvloop.loading.tokenizer import Tokenizer
@@ -36,7 +36,8 @@ from kvloop.request import Request, RequestStatus
 from kvloop.runner import ModelRunner, SampledToken, kv_cache_bytes_per_block
 from kvloop.sampling.beam import BeamSearch
 from kvloop.scheduler import Scheduler, SchedulerConfig, SchedulerStats
-from kvloop.spec import NgramProposer, Proposer
+from kvloop.spec import DraftRequest, NgramProposer, Proposer
+from kvloop.spec.draft import DraftModelProposer
 
 logger = logging.getLogger("kvloop.engine")
 
@@ -120,8 +121,7 @@ class LLMEngine:
         # Speculative decoding: drafts of up to num_speculative_tokens per sequence, adapted
         # to each one's recent acceptance; none while more than spec_max_batch sequences
         # decode (the step is compute-bound: draft rows would cost more than they save).
-        self.proposer: Proposer | None = (NgramProposer(ec.ngram_min, ec.ngram_max)
-                                          if ec.speculative == "ngram" else None)
+        self.proposer = self._make_proposer()
         self.num_speculative_tokens = ec.num_speculative_tokens
         self.spec_max_batch = ec.speculative_max_batch
         self._spec_len: dict[str, int] = {}  # per sequence: drafts to ask for next step
@@ -130,6 +130,31 @@ class LLMEngine:
         self._ids = itertools.count()
         self.total_positions = 0
         self.num_steps = 0
+
+    def _make_proposer(self) -> Proposer | None:
+        ec = self.config
+        method = ec.speculative
+        if method is None:
+            return None
+        if method == "ngram":
+            return NgramProposer(ec.ngram_min, ec.ngram_max)
+        # A draft model: this model with smaller weights ("self:int4"), or another file
+        # that shares its tokenizer ("draft:PATH"). Same block size, its own KV pool.
+        if method.startswith("self:"):
+            checkpoint, quantization = self.checkpoint, method.removeprefix("self:")
+        else:
+            checkpoint, quantization = load_checkpoint(method.removeprefix("draft:")), "none"
+            self._check_draft(checkpoint)
+        native = ec.use_kernels and kernels.available()
+        draft = load_model(checkpoint, ec.pack_weights, quantization, keep_dense=native)
+        return DraftModelProposer(draft, ec.block_size, self.num_blocks, ec.use_kernels)
+
+    def _check_draft(self, draft: Checkpoint) -> None:
+        """A draft's token ids must mean what the target's mean."""
+        mine, theirs = self.tokenizer.backend.get_vocab(), draft.tokenizer.backend.get_vocab()
+        if mine != theirs or draft.config.vocab_size != self.model_config.vocab_size:
+            raise ModelLoadError(f"the draft model {draft.name} does not share the target's "
+                                 f"tokenizer ({len(theirs)} vs {len(mine)} tokens)")
 
     def _new_scheduler(self) -> None:
         ec = self.config
@@ -312,6 +337,7 @@ class LLMEngine:
         assert self.proposer is not None
         running = self.scheduler.running
         speculate = len(running) <= self.spec_max_batch
+        asks: list[tuple[Request, DraftRequest]] = []
         for req in running:
             req.spec_token_ids = []
             if not speculate or req.num_computed_tokens != req.num_tokens - 1:
@@ -327,7 +353,18 @@ class LLMEngine:
             if p.num_speculative_tokens is not None:
                 k = min(k, p.num_speculative_tokens)
             if k > 0:
-                req.spec_token_ids = self.proposer.propose(req.all_token_ids, k)
+                asks.append((req, DraftRequest(req.request_id, req.all_token_ids, k)))
+        if not asks:
+            return
+        try:
+            drafts = self.proposer.propose([a for _, a in asks])
+        except Exception:  # a proposer's failure costs speed, never a request
+            logger.exception("the proposer failed; this step runs without drafts")
+            for req, _ in asks:
+                self.proposer.release(req.request_id)
+            return
+        for (req, ask), d in zip(asks, drafts, strict=True):
+            req.spec_token_ids = list(d[:ask.k])
 
     def _advance(self, group: _Group, sampled: dict[str, list[SampledToken]],
                  now: float) -> None:
@@ -385,6 +422,8 @@ class LLMEngine:
         for rid in self._seq_ids(group):
             self._seq_to_group.pop(rid, None)
             self._spec_len.pop(rid, None)
+            if self.proposer is not None:
+                self.proposer.release(rid)
 
     def _append(self, seq: SeqOutputState, tok: SampledToken, now: float,
                 finished: dict[RequestStatus, list[str]]) -> bool:

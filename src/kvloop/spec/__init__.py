@@ -2,22 +2,14 @@
 them all in one forward (see kvloop.sampling.rejection), and every accepted guess is a
 decode step saved.
 
-A proposer is pure compute: token ids in, draft token ids out. It knows nothing of
-requests; the engine decides who speculates and how far.
+A proposer maps token ids to draft token ids and knows nothing of requests; the engine
+decides who speculates and how far. NgramProposer is pure lookup; DraftModelProposer
+(kvloop.spec.draft) runs a smaller model with its own KV cache.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
-
 from kvloop.spec.ngram import NgramProposer
+from kvloop.spec.proposer import DraftRequest, Proposer
 
-
-class Proposer(Protocol):
-    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
-        """Up to `k` tokens likely to follow `token_ids` (fewer, or none, when unsure)."""
-        ...
-
-
-__all__ = ["NgramProposer", "Proposer"]
+__all__ = ["DraftRequest", "NgramProposer", "Proposer"]

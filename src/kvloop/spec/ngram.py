@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from kvloop.spec.proposer import DraftRequest
+
 
 @dataclass(frozen=True)
 class NgramProposer:
@@ -22,7 +24,13 @@ class NgramProposer:
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {self.min_n}, "
                              f"{self.max_n}")
 
-    def propose(self, token_ids: Sequence[int], k: int) -> list[int]:
+    def propose(self, requests: Sequence[DraftRequest]) -> list[list[int]]:
+        return [self.lookup(r.token_ids, r.k) for r in requests]
+
+    def release(self, seq_id: str) -> None:
+        pass  # keeps nothing per sequence
+
+    def lookup(self, token_ids: Sequence[int], k: int) -> list[int]:
         """The `k` tokens after the latest earlier match of the longest suffix (max_n
         down to min_n tokens) that occurs earlier; [] when none does."""
         n_tokens = len(token_ids)
