@@ -279,3 +279,24 @@ def test_a_failing_proposer_costs_drafts_not_requests(tiny_model_dir):
         assert outs[rid].error is None
         assert outs[rid].outputs[0].token_ids == out.outputs[0].token_ids
         assert outs[rid].metrics.num_draft_tokens == 0
+
+
+def test_draft_length_follows_acceptance_and_backs_off():
+    from kvloop.engine.llm_engine import MAX_SPEC_PAUSE, _SpecState
+
+    st = _SpecState(4)
+    assert st.next_k() == 4
+    st.update(drafted=4, accepted=4, k_max=6)
+    assert st.next_k() == 6  # all accepted: ask for two more (capped)
+    st.update(drafted=6, accepted=2, k_max=6)
+    assert st.next_k() == 3  # one more than were accepted
+    st.update(drafted=3, accepted=0, k_max=6)
+    assert st.next_k() == 1  # a miss: one draft, no pause yet
+    st.update(drafted=1, accepted=0, k_max=6)
+    assert [st.next_k() for _ in range(5)] == [0, 0, 0, 0, 1]  # two misses: pause 4 steps
+    for _ in range(10):
+        st.update(drafted=1, accepted=0, k_max=6)
+    assert st.pause == MAX_SPEC_PAUSE
+    st.pause = 0
+    st.update(drafted=1, accepted=1, k_max=6)
+    assert (st.misses, st.next_k()) == (0, 3)

@@ -41,6 +41,8 @@ from kvloop.spec.draft import DraftModelProposer
 
 logger = logging.getLogger("kvloop.engine")
 
+MAX_SPEC_PAUSE = 64  # steps a sequence whose drafts keep failing goes without them, at most
+
 
 @dataclass
 class _Group:
@@ -68,6 +70,33 @@ class _Group:
         if self.beam is not None:
             return self.beam_results is not None
         return self.num_pending_forks == 0 and all(s.request.is_finished for s in self.seqs)
+
+
+@dataclass
+class _SpecState:
+    """One sequence's speculation: how many drafts to ask for next step, and a pause after
+    guesses keep failing (rejected drafts still cost the forward their rows)."""
+
+    k: int
+    misses: int = 0  # verifications in a row that accepted nothing
+    pause: int = 0  # steps left without drafting
+
+    def update(self, drafted: int, accepted: int, k_max: int) -> None:
+        if accepted:
+            self.misses = 0
+            # One more than were accepted (all of them: two more), up to the maximum.
+            self.k = min(k_max, accepted + 2) if accepted == drafted else accepted + 1
+            return
+        self.misses += 1
+        self.k = 1
+        if self.misses >= 2:  # back off 4, 8, 16, ... 64 steps
+            self.pause = min(MAX_SPEC_PAUSE, 2**self.misses)
+
+    def next_k(self) -> int:
+        if self.pause:
+            self.pause -= 1
+            return 0
+        return self.k
 
 
 def load_model(checkpoint: Checkpoint, pack: bool = True, quantization: str = "none",
@@ -124,7 +153,7 @@ class LLMEngine:
         self.proposer = self._make_proposer()
         self.num_speculative_tokens = ec.num_speculative_tokens
         self.spec_max_batch = ec.speculative_max_batch
-        self._spec_len: dict[str, int] = {}  # per sequence: drafts to ask for next step
+        self._spec: dict[str, _SpecState] = {}  # per sequence that has drafted
         self._groups: dict[str, _Group] = {}
         self._seq_to_group: dict[str, _Group] = {}
         self._ids = itertools.count()
@@ -171,7 +200,7 @@ class LLMEngine:
         self.runner.reset()
         self._groups.clear()
         self._seq_to_group.clear()
-        self._spec_len.clear()
+        self._spec.clear()
 
     # -- requests -----------------------------------------------------------------------------
     def eos_token_ids(self) -> tuple[int, ...]:
@@ -324,13 +353,13 @@ class LLMEngine:
         return outputs
 
     def _adapt_draft_lengths(self, sched: SchedulerOutput, accepted: dict[str, int]) -> None:
-        """Ask for one more draft than were accepted (all accepted: two more), so a
-        sequence whose guesses fail stops paying for long drafts."""
+        """Each sequence's next draft length follows its acceptance (see _SpecState)."""
         for s in sched.seqs:
             if s.num_draft:
-                j = accepted.get(s.request_id, 0)
-                self._spec_len[s.request_id] = (min(self.num_speculative_tokens, j + 2)
-                                                if j == s.num_draft else j + 1)
+                state = self._spec.setdefault(s.request_id,
+                                              _SpecState(self.num_speculative_tokens))
+                state.update(s.num_draft, accepted.get(s.request_id, 0),
+                             self.num_speculative_tokens)
 
     def _propose_drafts(self) -> None:
         """Drafts for the next step, for every sequence that will decode in it."""
@@ -347,7 +376,8 @@ class LLMEngine:
             if group is None or group.beam is not None or not p.speculative:
                 continue  # beam search ranks whole beams: it never speculates
             # Never draft past max_tokens (the step's own token counts too) or the context.
-            k = min(self._spec_len.get(req.request_id, self.num_speculative_tokens),
+            state = self._spec.get(req.request_id)
+            k = min(state.next_k() if state else self.num_speculative_tokens,
                     p.max_tokens - len(req.output_token_ids) - 1,
                     self.max_model_len - req.num_tokens)
             if p.num_speculative_tokens is not None:
@@ -421,7 +451,7 @@ class LLMEngine:
         self._groups.pop(group.request_id, None)
         for rid in self._seq_ids(group):
             self._seq_to_group.pop(rid, None)
-            self._spec_len.pop(rid, None)
+            self._spec.pop(rid, None)
             if self.proposer is not None:
                 self.proposer.release(rid)
 
