@@ -118,13 +118,8 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         for rid in sched.finished_ids:
             self._generators.pop(rid, None)
-        self.copy_blocks(sched.blocks_to_copy)
         seqs = sched.decodes + sched.prefills
-        if self._use_native(sched):
-            hidden = self._native_step(sched)  # [T, hidden]
-            num_tokens = sum(s.num_tokens for s in seqs)
-        else:
-            hidden, num_tokens = self._forward(sched)  # [T, hidden]
+        hidden, num_tokens = self._run_model(sched)  # [T, hidden]
 
         # Logits only where a token is sampled: each sequence's last row, if it samples
         # (n > 1 siblings draw from the same row, each with its own generator), and for a
@@ -155,11 +150,7 @@ class ModelRunner:
         if not rows and not spec_rows:
             return RunnerOutput({}, num_tokens)
         all_rows = hidden_rows + spec_hidden
-        sel = hidden[all_rows]  # [N, hidden]
-        if self.decoder is not None and len(all_rows) <= self.native_max_rows:
-            logits = self.decoder.logits(sel)  # [N, V]
-        else:
-            logits = self.model.compute_logits(sel)
+        logits = self._logits(hidden[all_rows])  # [N, V]
         sampled: dict[str, list[SampledToken]] = {}
         if rows:
             out = self.sampler(logits[: len(rows)], rows)
@@ -172,6 +163,28 @@ class ModelRunner:
                 sampled[rid] = [SampledToken(t.token_id, t.logprob, t.top_logprobs)
                                 for t in toks]
         return RunnerOutput(sampled, num_tokens)
+
+    @torch.inference_mode()
+    def greedy_tokens(self, sched: SchedulerOutput) -> dict[str, int]:
+        """The argmax after each sequence's last token: a draft model's step, which needs
+        neither the sampler nor log-probs."""
+        hidden, _ = self._run_model(sched)  # [T, hidden]
+        seqs = sched.decodes + sched.prefills
+        last = list(itertools.accumulate(s.num_tokens for s in seqs))
+        tokens = self._logits(hidden[[i - 1 for i in last]]).argmax(dim=-1).tolist()
+        return {s.request_id: t for s, t in zip(seqs, tokens, strict=True)}
+
+    def _run_model(self, sched: SchedulerOutput) -> tuple[torch.Tensor, int]:
+        """The forward over the step's tokens: [T, hidden] and T."""
+        self.copy_blocks(sched.blocks_to_copy)
+        if self._use_native(sched):
+            return self._native_step(sched), sched.num_tokens
+        return self._forward(sched)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
+        if self.decoder is not None and hidden.shape[0] <= self.native_max_rows:
+            return self.decoder.logits(hidden)  # type: ignore[no-any-return]
+        return self.model.compute_logits(hidden)
 
     def _draft_rows(self, s: ScheduledSeq) -> list[SamplingRow]:
         """The k + 1 sampling rows of a sequence with k drafts: row i follows the output

@@ -121,5 +121,4 @@ class DraftModelProposer:
                                prompt_ids=(), output_ids=())
             (out.decodes if len(tokens) == 1 and start > 0 else out.prefills).append(seq)
             req.num_computed_tokens = start + len(tokens)
-        result = self.runner.execute(out)
-        return {sid: toks[0].token_id for sid, toks in result.sampled.items()}
+        return self.runner.greedy_tokens(out)
