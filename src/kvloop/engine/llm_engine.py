@@ -198,6 +198,9 @@ class LLMEngine:
         async engine's supervisor): callers must already have failed the requests."""
         self._new_scheduler()
         self.runner.reset()
+        if self.proposer is not None:
+            for rid in self._seq_to_group:
+                self.proposer.release(rid)
         self._groups.clear()
         self._seq_to_group.clear()
         self._spec.clear()
@@ -325,7 +328,8 @@ class LLMEngine:
             logger.exception("the forward of step %d failed; failing its %d sequences",
                              self.num_steps, len(sched.seqs))
             return self._fail_step(sched, e)
-        self.scheduler.commit(sched, result.num_accepted())
+        accepted = result.num_accepted()
+        self.scheduler.commit(sched, accepted)
         self.total_positions += result.num_tokens
         self.num_steps += 1
         now = time.perf_counter()
@@ -348,7 +352,7 @@ class LLMEngine:
             if group.finished:
                 self._forget(group)
         if self.proposer is not None:
-            self._adapt_draft_lengths(sched, result.num_accepted())
+            self._adapt_draft_lengths(sched, accepted)
             self._propose_drafts()
         return outputs
 
