@@ -113,6 +113,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the chosen token's; N: plus the top N
+    # The same for every prompt token after the first (scoring a text: max_tokens may then
+    # be 0, to score the prompt alone).
+    prompt_logprobs: int | None = None
     n: int = 1
     # Beam search (used by the engine when num_beams > 1).
     num_beams: int = 1
@@ -147,7 +150,11 @@ class SamplingParams:
 
         Runs on construction and again when the engine admits the request (the dataclass is
         mutable, so a caller may have changed a field since)."""
-        _check_int("max_tokens", self.max_tokens, 1, MAX_INT32)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        # max_tokens 0 only scores the prompt: it means something only with prompt_logprobs.
+        _check_int("max_tokens", self.max_tokens, 0 if self.prompt_logprobs is not None else 1,
+                   MAX_INT32)
         _check_int("min_tokens", self.min_tokens, 0, MAX_INT32)
         if self.min_tokens > self.max_tokens:
             raise _bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
@@ -224,6 +231,7 @@ class SamplingParams:
             ("top_p", self.top_p != 1.0, ""),
             ("min_p", self.min_p != 0.0, ""),
             ("logprobs", self.logprobs is not None, ""),
+            ("prompt_logprobs", self.prompt_logprobs is not None, ""),
         ]
         for name, is_set, hint in unsupported:
             if is_set:

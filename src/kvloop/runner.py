@@ -5,7 +5,7 @@ decides who runs."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -41,12 +41,20 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
+# One prompt token's log-prob under the model, and its top alternatives (when asked for).
+PromptLogprob = tuple[float, list[tuple[int, float]] | None]
+PROMPT_LOGPROB_ROWS = 256  # rows of logits ([rows, vocab] floats) computed at a time
+
+
 @dataclass
 class RunnerOutput:
     # Only sequences whose step ends in a sample: the tokens each gained, in order (one,
     # or a sequence's accepted drafts and the token after them).
     sampled: dict[str, list[SampledToken]]
     num_tokens: int  # positions the model processed this step
+    # Sequences that asked for prompt log-probs: (index in the prompt of the first token
+    # scored, the log-probs of this chunk's prompt tokens after its first position).
+    prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
 
     def num_accepted(self) -> dict[str, int]:
         """Accepted draft tokens per sequence that gained more than one token."""
@@ -120,6 +128,7 @@ class ModelRunner:
             self._generators.pop(rid, None)
         seqs = sched.decodes + sched.prefills
         hidden, num_tokens = self._run_model(sched)  # [T, hidden]
+        prompt_lps = self._prompt_logprobs(seqs, hidden)
 
         # Logits only where a token is sampled: each sequence's last row, if it samples
         # (n > 1 siblings draw from the same row, each with its own generator), and for a
@@ -148,7 +157,7 @@ class ModelRunner:
                                         self._generator(rid, params), s.suppress_ids))
                 ids_out.append(rid)
         if not rows and not spec_rows:
-            return RunnerOutput({}, num_tokens)
+            return RunnerOutput({}, num_tokens, prompt_lps)
         all_rows = hidden_rows + spec_hidden
         logits = self._logits(hidden[all_rows])  # [N, V]
         sampled: dict[str, list[SampledToken]] = {}
@@ -162,7 +171,7 @@ class ModelRunner:
             for rid, toks in zip(spec_ids, verified, strict=True):
                 sampled[rid] = [SampledToken(t.token_id, t.logprob, t.top_logprobs)
                                 for t in toks]
-        return RunnerOutput(sampled, num_tokens)
+        return RunnerOutput(sampled, num_tokens, prompt_lps)
 
     @torch.inference_mode()
     def greedy_tokens(self, sched: SchedulerOutput) -> dict[str, int]:
@@ -173,6 +182,34 @@ class ModelRunner:
         last = list(itertools.accumulate(s.num_tokens for s in seqs))
         tokens = self._logits(hidden[[i - 1 for i in last]]).argmax(dim=-1).tolist()
         return {s.request_id: t for s, t in zip(seqs, tokens, strict=True)}
+
+    def _prompt_logprobs(self, seqs: list[ScheduledSeq], hidden: torch.Tensor
+                         ) -> dict[str, tuple[int, list[PromptLogprob]]]:
+        """Log-probs of the prompt tokens that follow each position of a prompt chunk,
+        for the sequences that asked for them (row p's logits score prompt token p + 1)."""
+        out: dict[str, tuple[int, list[PromptLogprob]]] = {}
+        offset = 0
+        for s in seqs:
+            n_top = s.params.prompt_logprobs
+            end = min(s.context_len, len(s.prompt_ids) - 1)  # last row scoring a prompt token
+            if n_top is not None and s.start_pos < end:
+                targets = torch.tensor(s.prompt_ids[s.start_pos + 1:end + 1])  # [R]
+                rows = hidden[offset:offset + end - s.start_pos]  # [R, hidden]
+                values: list[PromptLogprob] = []
+                for i in range(0, rows.shape[0], PROMPT_LOGPROB_ROWS):
+                    lp = self._logits(rows[i:i + PROMPT_LOGPROB_ROWS]).float().log_softmax(-1)
+                    tgt = targets[i:i + PROMPT_LOGPROB_ROWS]
+                    chosen = lp.gather(1, tgt[:, None])[:, 0].tolist()  # [r]
+                    if n_top:
+                        top_v, top_i = lp.topk(min(n_top, lp.shape[-1]), dim=-1)  # [r, n]
+                        tops = [list(zip(a, b, strict=True))
+                                for a, b in zip(top_i.tolist(), top_v.tolist(), strict=True)]
+                        values.extend(zip(chosen, tops, strict=True))
+                    else:
+                        values.extend((c, None) for c in chosen)
+                out[s.request_id] = (s.start_pos + 1, values)
+            offset += s.num_tokens
+        return out
 
     def _run_model(self, sched: SchedulerOutput) -> tuple[torch.Tensor, int]:
         """The forward over the step's tokens: [T, hidden] and T."""

@@ -166,7 +166,8 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             prefix = []
-            if req.num_computed_tokens == 0:
+            # Prompt log-probs come from the prompt's own forward: no prefix-cache hits.
+            if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
                 prefix = self.kv.find_cached_prefix(req)
                 req.num_computed_tokens = len(prefix) * self.kv.block_size
             n = min(req.num_tokens - req.num_computed_tokens, budget)
@@ -252,7 +253,8 @@ class Scheduler:
             token_ids=req.token_slice(start, start + n) + req.spec_token_ids[:num_draft],
             start_pos=start,
             block_ids=self.kv.block_ids(req.request_id),
-            sample=start + n == req.num_tokens,
+            # max_tokens 0 (scoring a prompt): the prompt runs, nothing is sampled.
+            sample=start + n == req.num_tokens and req.params.max_tokens > 0,
             params=req.params,
             prompt_ids=req.prompt_token_ids,
             output_ids=req.output_token_ids,

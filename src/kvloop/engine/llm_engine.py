@@ -33,7 +33,7 @@ from kvloop.models.quantize import quantize_model
 from kvloop.params import SamplingParams
 from kvloop.quant import QUANTIZATIONS
 from kvloop.request import Request, RequestStatus
-from kvloop.runner import ModelRunner, SampledToken, kv_cache_bytes_per_block
+from kvloop.runner import ModelRunner, PromptLogprob, SampledToken, kv_cache_bytes_per_block
 from kvloop.sampling.beam import BeamSearch
 from kvloop.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from kvloop.spec import DraftRequest, NgramProposer, Proposer
@@ -62,6 +62,10 @@ class _Group:
     beam_results: list[CompletionOutput] | None = None
     num_beam_seqs: int = 0
     error: str | None = None  # set when the request failed
+    # With prompt_logprobs: one entry per prompt token (the first is None), filled as the
+    # prompt's chunks run; handed out once, when complete.
+    prompt_logprobs: list[PromptLogprob | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def finished(self) -> bool:
@@ -251,9 +255,14 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens but the model's context is {self.max_model_len} "
                 f"(room is needed for at least one generated token)"
             )
+        if params.prompt_logprobs is not None and not self.config.use_cache:
+            raise InvalidParamsError("prompt_logprobs needs the KV cache (use_cache=True)",
+                                     param="prompt_logprobs")
         eos = self.eos_token_ids()
         first_id = request_id if params.n == 1 and params.num_beams == 1 else f"{request_id}#0"
         group = _Group(request_id, text, ids, params, [])
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None] * len(ids)
         if params.num_beams > 1:
             group.beam = BeamSearch(
                 params.num_beams, min(params.max_tokens, self.max_model_len - len(ids)),
@@ -341,6 +350,12 @@ class LLMEngine:
             group = self._seq_to_group.get(rid) or self._groups.get(rid.rpartition("#")[0])
             if group is not None:
                 per_group.setdefault(group.request_id, (group, {}))[1][rid] = tok
+        for rid, (start, values) in result.prompt_logprobs.items():
+            group = self._seq_to_group.get(rid)
+            if group is not None and group.prompt_logprobs is not None:
+                # A recomputed (preempted) prompt scores the same tokens again: same slots.
+                group.prompt_logprobs[start:start + len(values)] = values
+                per_group.setdefault(group.request_id, (group, {}))
         outputs = []
         for group, sampled in per_group.values():
             try:
@@ -418,6 +433,11 @@ class LLMEngine:
                 # A stop inside an accepted run ends the sequence: the rest is dropped.
                 if self._append(seq, tok, now, finished):
                     break
+            req = seq.request
+            if req.params.max_tokens == 0 and req.num_computed_tokens >= req.num_prompt_tokens:
+                # Only scoring the prompt: it ran, so the request is done.
+                req.metrics.finished_time = now
+                finished.setdefault(RequestStatus.FINISHED_LENGTH, []).append(req.request_id)
         for status, ids in finished.items():
             self.scheduler.finish_requests(ids, status)
 
@@ -576,5 +596,11 @@ class LLMEngine:
                 delta_logprobs=s.logprobs[n_new:] if want_lp else None,
                 delta_top_logprobs=s.top_logprobs[n_new:] if want_top else None,
             ))
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, comps,
-                             group.finished, first.metrics)
+        out = RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, comps,
+                            group.finished, first.metrics)
+        prompt_done = first.num_computed_tokens >= len(group.prompt_token_ids)
+        if group.prompt_logprobs is not None and (
+                final or (prompt_done and not group.prompt_logprobs_sent)):
+            out.prompt_logprobs = list(group.prompt_logprobs)
+            group.prompt_logprobs_sent = True
+        return out

@@ -45,6 +45,10 @@ class RequestOutput:
     # Set when the request failed (its own work or its step's forward raised): the request
     # is finished and this says why; other requests were not affected.
     error: str | None = None
+    # With SamplingParams.prompt_logprobs: per prompt token, its log-prob under the model
+    # and its top alternatives (None for the first token, which nothing predicts). In the
+    # output of the step that finished the prompt, and in the final output.
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]] | None] | None] | None = None
 
     @property
     def text(self) -> str:
