@@ -92,6 +92,33 @@ def write_tiny_model(path: Path, model_type: str = "llama", seed: int = 0, **ove
     return path
 
 
+def write_tiny_gemma3(path: Path, seed: int = 0, **overrides) -> Path:
+    """A random Gemma 3 text model (Gemma3ForCausalLM) saved by transformers: six layers in
+    the 5-local-1-global pattern, a 16-token sliding window (so that short prompts already
+    outgrow it), head_dim and query_pre_attn_scalar unlike hidden / heads, and norm weights
+    away from zero so that the (1 + w) form matters."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+               query_pre_attn_scalar=24, sliding_window=16, max_position_embeddings=2048,
+               rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1,
+               pad_token_id=0)
+    cfg.update(overrides)
+    model = Gemma3ForCausalLM(Gemma3TextConfig(**cfg)).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+            elif name.endswith("norm.weight"):
+                p.normal_(0, 0.3)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    _train_tokenizer(path, cfg["vocab_size"])
+    return path
+
+
 def write_gguf(path: Path, tensors, arch: str = "llama", metadata=None) -> Path:
     """Write a GGUF file: `metadata(writer)` adds key/values, then `tensors`, a list of
     (name, array, quant type or None); raw uint8 bytes when a quant type is given."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import write_tiny_gemma3, write_tiny_model
 from kvloop import LLM, SamplingParams
 from kvloop.models import AttentionMetadata, PrefillSegment
 
@@ -100,11 +101,17 @@ def test_default_model_greedy_matches_transformers(kv_default, hf_default):
     check_model(kv_default, hf_model, prompts, NEW_TOKENS)
 
 
-def test_tiny_hf_model_greedy_matches_transformers(tiny_model_dir):
+# One tiny random model per architecture kvloop runs, each written by transformers.
+TINY_FAMILIES = {"llama": write_tiny_model, "gemma3": write_tiny_gemma3}
+
+
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
+def test_tiny_hf_model_greedy_matches_transformers(family, tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    hf_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-    llm = LLM(str(tiny_model_dir), kv_cache_memory="64MiB")
+    path = tiny_model_dir if family == "llama" else TINY_FAMILIES[family](tmp_path / family)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), kv_cache_memory="64MiB")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, 320, (n,), generator=g).tolist() for n in (1, 5, 17, 40, 130)]
     check_model(llm, hf_model, prompts, 48)

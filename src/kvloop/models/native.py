@@ -13,8 +13,10 @@ import torch
 
 from kvloop import kernels
 from kvloop.kernels.linear import native_linear, packed_bf16
+from kvloop.models.base import CausalLM
 from kvloop.models.linear import Linear
 from kvloop.models.llama import DecoderLayer, LlamaForCausalLM
+from kvloop.models.registry import get_architecture
 from kvloop.quant import Int4Linear, Int8Linear
 from kvloop.quant.layout import F32, Q8
 
@@ -44,7 +46,14 @@ def bf16_gemm_fast() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported())
 
 
-def attach_native_linears(model: LlamaForCausalLM) -> None:
+def native_supported(model: CausalLM) -> bool:
+    """Whether the C++ decoder computes this architecture (it hard-codes the Llama layer:
+    pre-norms only, SiLU, no QK-norm, full attention). Anything else runs on the modules:
+    a wrong answer is never the price of speed."""
+    return get_architecture(model.config.architecture).native
+
+
+def attach_native_linears(model: CausalLM) -> None:
     """Give every quantized layer its native kernel (``module.native``); its forward then
     uses it wherever it measured faster than PyTorch's kernel (int8: every row count,
     prefill included; int4: decode-sized inputs, or every size with the bf16 copy).
@@ -64,11 +73,14 @@ def attach_native_linears(model: LlamaForCausalLM) -> None:
                 module.native.set_batched(packed_bf16(module.dequantize()), BF16_MIN_ROWS)
 
 
-def native_prefill_ready(model: LlamaForCausalLM) -> bool:
+def native_prefill_ready(model: CausalLM) -> bool:
     """Whether prefill-sized inputs through the native decoder run GEMMs at least as fast as
     the modules': every layer but the head (only sampled rows reach it) has oneDNN's path
     for large inputs (fp32 packed, or a quantized layer's bf16 copy), or is int8, whose
-    native kernel the modules use at every size anyway. Call after attach_native_linears."""
+    native kernel the modules use at every size anyway. Call after attach_native_linears.
+    False for an architecture the decoder does not run."""
+    if not native_supported(model):
+        return False
     head = model.lm_head
     for m in model.modules():
         if m is head:
@@ -86,11 +98,13 @@ def native_prefill_ready(model: LlamaForCausalLM) -> bool:
     return True
 
 
-def build_native_decoder(model: LlamaForCausalLM) -> Any | None:
+def build_native_decoder(model: CausalLM) -> Any | None:
     """A ``Decoder`` over the model's weights (attaching the quantized layers' kernels), or
-    None without the native kernels or when a fp32 layer's dense weight was dropped."""
-    if not kernels.available():
+    None without the native kernels, for an architecture it does not compute, or when a
+    fp32 layer's dense weight was dropped."""
+    if not kernels.available() or not native_supported(model):
         return None
+    model = cast(LlamaForCausalLM, model)  # the one layer shape the decoder computes
     c = model.config
     head = model.lm_head
     # fp32 layers packed without keep_dense have no dense weight left to read; then the

@@ -6,8 +6,8 @@ from typing import cast
 
 from torch import nn
 
+from kvloop.models.base import CausalLM
 from kvloop.models.linear import Linear
-from kvloop.models.llama import LlamaForCausalLM
 from kvloop.quant import QUANTIZATIONS, Int4Linear, Int4Weights, Int8Linear
 
 # Fused layer -> the checkpoint tensors it is made of, in row order.
@@ -19,7 +19,7 @@ _SOURCES = {
 }
 
 
-def quantize_model(model: LlamaForCausalLM, mode: str,
+def quantize_model(model: CausalLM, mode: str,
                    int4_source: dict[str, Int4Weights] | None = None) -> None:
     """`mode`: "none", "int8" or "int4". With int4, layers whose checkpoint tensors are
     4-bit blocks (GGUF Q4_0 / Q4_1) take those codes as they are; the rest are quantized
@@ -45,4 +45,6 @@ def quantize_model(model: LlamaForCausalLM, mode: str,
                     w = Int4Weights.from_dense(lin.weight)
                 new = Int4Linear(w, lin.bias)
             setattr(owner, attr, new)
-    model.lm_head = Int8Linear.from_dense(model.lm_head.weight)  # type: ignore[assignment]
+    # Through nn.Module's setattr: the interface exposes the head read-only.
+    head = cast(Linear, model.lm_head)
+    cast(nn.Module, model).lm_head = Int8Linear.from_dense(head.weight)

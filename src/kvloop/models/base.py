@@ -1,0 +1,118 @@
+"""What every architecture offers: the model interface the runner, the quantization pass and
+the native step call, and the record (`Architecture`) through which the loader reads a
+checkpoint of it: config mapping, tensor names and shapes, and whether the native step
+runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from kvloop.config import ModelConfig
+from kvloop.models.attention import AttentionMetadata
+from kvloop.models.linear import Linear
+
+
+class CausalLM(Protocol):
+    """A decoder-only language model over the paged KV cache. Weights arrive by their HF
+    names; linear layers named ``qkv_proj`` / ``o_proj`` / ``gate_up_proj`` /
+    ``down_proj`` under ``layers[i].self_attn`` and ``.mlp`` (the quantization pass swaps
+    them), the head is ``lm_head``."""
+
+    config: ModelConfig
+    embed_tokens: nn.Parameter
+    layers: nn.ModuleList
+
+    @property
+    def lm_head(self) -> nn.Module: ...
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor] | None = None,  # one [2, Hkv, slots, D] per layer
+    ) -> torch.Tensor: ...  # [T, hidden], final-normed
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [N, hidden] -> [N, V]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def pack_weights(self, keep_dense: bool = False) -> None: ...
+
+    def linears(self) -> list[Linear]: ...
+
+    def decode_read_bytes(self) -> int: ...
+
+    def modules(self) -> Iterator[nn.Module]: ...
+
+
+class ConfigReader(Protocol):
+    """A checkpoint's metadata, as the loader's readers expose it to an architecture: each
+    read checked (present, of the right type, positive) and a bad value refused in one
+    ModelLoadError line naming its key. Keys are config.json keys, or GGUF keys after the
+    ``<architecture>.`` prefix."""
+
+    def get(self, key: str, default: Any = None) -> Any: ...
+
+    def get_int(self, key: str, default: int | None = None) -> int: ...
+
+    def get_float(self, key: str, default: float) -> float: ...
+
+    def where(self, key: str) -> str:
+        """The key as a message names it ("gemma3.attention.sliding_window = 512")."""
+        ...
+
+
+# One dimension of an expected tensor shape: its size and the ModelConfig fields that set
+# it (for the loader's messages).
+Dim = tuple[int, tuple[str, ...]]
+
+
+def config_dims(c: ModelConfig) -> dict[str, Dim]:
+    """The dimensions tensor shapes are made of, by short name."""
+    return {
+        "V": (c.vocab_size, ("vocab_size",)), "H": (c.hidden_size, ("hidden_size",)),
+        "Q": (c.q_size, ("num_heads", "head_dim")),
+        "KV": (c.kv_size, ("num_kv_heads", "head_dim")),
+        "FF": (c.intermediate_size, ("intermediate_size",)),
+        "D": (c.head_dim, ("head_dim",)), "D2": (c.head_dim // 2, ("head_dim",)),
+    }
+
+
+def _same_config(reader: ConfigReader, config: ModelConfig) -> ModelConfig:
+    return config
+
+
+def _same_tensor(name: str, w: np.ndarray) -> np.ndarray:
+    return w
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One architecture as the loader and the engine see it."""
+
+    name: str  # GGUF general.architecture / HF model_type
+    model_class: Callable[[ModelConfig], CausalLM]
+    # Expected tensors (HF names) and their shapes, checked against the file's headers.
+    tensor_shapes: Callable[[ModelConfig], dict[str, tuple[Dim, ...]]]
+    # GGUF tensor names -> HF names: per-layer suffixes (blk.N.<gguf> -> model.layers.N.<hf>)
+    # and whole-model names.
+    gguf_layer_names: Mapping[str, str] = field(default_factory=dict)
+    gguf_global_names: Mapping[str, str] = field(default_factory=dict)
+    # Whether llama.cpp's converter permuted the Q/K rows (interleaved rope in llama.cpp).
+    gguf_permute_qk: bool = False
+    # The architecture's own hyper-parameters, on top of those every architecture has
+    # (which the loader's readers fill): from GGUF metadata and from config.json.
+    gguf_config: Callable[[ConfigReader, ModelConfig], ModelConfig] = _same_config
+    hf_config: Callable[[ConfigReader, ModelConfig], ModelConfig] = _same_config
+    # A GGUF tensor as llama.cpp stores it -> the HF convention load_weights expects.
+    gguf_tensor: Callable[[str, np.ndarray], np.ndarray] = _same_tensor
+    # Whether the native C++ decode step (kvloop.models.native) computes this architecture.
+    native: bool = False

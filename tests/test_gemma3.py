@@ -1,0 +1,316 @@
+"""Gemma 3 on the PyTorch module path, against transformers' Gemma3ForCausalLM (fp32).
+
+The tiny random model (conftest.write_tiny_gemma3) has a 16-token sliding window, so most
+prompts here outgrow it; head_dim and query_pre_attn_scalar differ from hidden / heads,
+and its norm weights are far from zero, so each Gemma-specific piece moves the logits.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from conftest import write_tiny_gemma3
+from kvloop import LLM, SamplingParams
+from kvloop.errors import ModelLoadError
+from kvloop.loading.loader import load_checkpoint
+from kvloop.models import AttentionMetadata, Gemma3ForCausalLM, PrefillSegment, create_model
+from kvloop.models.native import build_native_decoder, native_prefill_ready
+from test_model_parity import compare_greedy, hf_greedy
+
+WINDOW = 16
+KV = "64MiB"
+LENGTHS = (1, 5, WINDOW - 1, WINDOW, WINDOW + 1, 40, 130)
+NEW_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))
+
+
+@pytest.fixture(scope="module")
+def hf_gemma(gemma_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(2, 320, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_gemma: Any, prompts: list[list[int]]) -> list[tuple[list[int], torch.Tensor]]:
+    """transformers' greedy continuation of each prompt, and its per-step logits."""
+    return [hf_greedy(hf_gemma, ids, NEW_TOKENS) for ids in prompts]
+
+
+def full_logits(model: Any, ids: list[int]) -> torch.Tensor:  # [T, V]
+    """kvloop's model on a whole sequence, no cache."""
+    with torch.inference_mode():
+        meta = AttentionMetadata(prefills=[PrefillSegment(0, len(ids))])
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), meta))
+
+
+def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:  # [T, V]
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def greedy(llm: LLM, prompts: list[list[int]], n: int = NEW_TOKENS) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def assert_greedy_equal(ours: list[list[int]],
+                        reference: list[tuple[list[int], torch.Tensor]]) -> None:
+    for got, (want, logits) in zip(ours, reference, strict=True):
+        assert compare_greedy(got, want, logits) == len(want)
+
+
+def test_config_from_config_json(gemma_dir: Path) -> None:
+    c = load_checkpoint(gemma_dir).config
+    assert c.architecture == "gemma3_text"
+    assert c.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
+    assert [c.is_sliding(i) for i in range(6)] == [True] * 5 + [False]
+    assert c.sliding_window == WINDOW
+    assert (c.rope_theta, c.rope_local_theta) == (1e6, 1e4)
+    assert c.query_pre_attn_scalar == 24 and c.head_dim == 32
+    assert c.hidden_act == "gelu_pytorch_tanh" and c.tie_word_embeddings
+    assert c.final_logit_softcapping is None
+
+
+def test_flat_rope_keys_of_older_configs(tmp_path: Path) -> None:
+    """transformers 4.x wrote rope_theta / rope_local_base_freq / sliding_window_pattern."""
+    d = write_tiny_gemma3(tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    del cfg["rope_parameters"], cfg["layer_types"]
+    cfg |= {"rope_theta": 5e5, "rope_local_base_freq": 2e4, "sliding_window_pattern": 3}
+    (d / "config.json").write_text(json.dumps(cfg))
+    c = load_checkpoint(d).config
+    assert (c.rope_theta, c.rope_local_theta) == (5e5, 2e4)
+    assert c.layer_types == ("sliding_attention", "sliding_attention", "full_attention") * 2
+
+
+def test_last_position_logits_match_transformers(gemma_dir: Path, hf_gemma: Any,
+                                                 prompts: list[list[int]]) -> None:
+    model = LLM(gemma_dir, kv_cache_memory=KV).engine.model
+    assert isinstance(model, Gemma3ForCausalLM)
+    for ids in prompts:
+        ours, ref = full_logits(model, ids), hf_logits(hf_gemma, ids)
+        assert (ours[-1] - ref[-1]).abs().max().item() < 1e-4
+        assert (ours - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("piece", ["sliding_window", "rope_local_theta",
+                                   "query_pre_attn_scalar"])
+def test_each_gemma_piece_matters(gemma_dir: Path, hf_gemma: Any, prompts: list[list[int]],
+                                  piece: str) -> None:
+    """The agreement above is not luck: dropping any one Gemma setting breaks it."""
+    ck = load_checkpoint(gemma_dir)
+    wrong = {"sliding_window": None, "rope_local_theta": ck.config.rope_theta,
+             "query_pre_attn_scalar": float(ck.config.head_dim)}[piece]
+    model = create_model(replace(ck.config, **{piece: wrong}))
+    model.load_weights(ck.weights())
+    ids = prompts[-1]  # 130 tokens: past the window
+    assert (full_logits(model, ids) - hf_logits(hf_gemma, ids)).abs().max().item() > 1e-2
+
+
+@pytest.mark.parametrize("engine", [
+    {},  # native paged-attention kernel on global layers, windowed gather on local ones
+    {"use_kernels": False},  # gather + SDPA everywhere
+    {"use_cache": False},  # recompute: every step prefills the whole sequence
+], ids=["kernels", "no-kernels", "no-cache"])
+def test_greedy_matches_transformers(gemma_dir: Path, prompts: list[list[int]],
+                                     reference: list[tuple[list[int], torch.Tensor]],
+                                     engine: dict[str, Any]) -> None:
+    llm = LLM(gemma_dir, kv_cache_memory=KV, **engine)
+    assert_greedy_equal(greedy(llm, prompts), reference)  # all in one batch
+    if not engine:  # and alone (decode batches of one: the kernel path's shapes)
+        assert_greedy_equal([greedy(llm, [ids])[0] for ids in prompts], reference)
+
+
+def test_chunked_prefill_and_prefix_cache(gemma_dir: Path, hf_gemma: Any) -> None:
+    """Prompts sharing a 50-token prefix (three full blocks, past the window), prefilled in
+    chunks of at most 24 tokens: the second round reuses the cached prefix blocks."""
+    g = torch.Generator().manual_seed(2)
+    prefix = torch.randint(2, 320, (50,), generator=g).tolist()
+    prompts = [prefix + torch.randint(2, 320, (n,), generator=g).tolist() for n in (3, 17, 30)]
+    reference = [hf_greedy(hf_gemma, ids, 24) for ids in prompts]
+    llm = LLM(gemma_dir, kv_cache_memory=KV, max_num_batched_tokens=24,
+              enable_prefix_caching=True)
+    for _ in range(2):
+        assert_greedy_equal(greedy(llm, prompts, 24), reference)
+    assert llm.engine.kv.stats().prefix_hits >= 3 * 16  # the shared blocks, each prompt
+
+
+def test_native_step_declines_gemma(gemma_dir: Path) -> None:
+    """The C++ decoder hard-codes the Llama layer: it must say so, never run Gemma."""
+    llm = LLM(gemma_dir, kv_cache_memory=KV)
+    model = llm.engine.model
+    assert build_native_decoder(model) is None
+    assert not native_prefill_ready(model)
+    assert llm.engine.runner.decoder is None
+
+
+def test_final_logit_softcapping(tmp_path: Path) -> None:
+    """Gemma 2's cap (Gemma 3 has none): logits = cap * tanh(logits / cap)."""
+    from transformers import AutoModelForCausalLM
+
+    d = write_tiny_gemma3(tmp_path / "m", final_logit_softcapping=2.0)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    llm = LLM(d, kv_cache_memory=KV)
+    assert llm.engine.model_config.final_logit_softcapping == 2.0
+    ids = list(range(2, 42))
+    ours = full_logits(llm.engine.model, ids)
+    assert ours.abs().max().item() <= 2.0
+    assert (ours - hf_logits(hf, ids)).abs().max().item() < 1e-4
+    ref = hf_greedy(hf, ids, 16)
+    assert_greedy_equal(greedy(llm, [ids], 16), [ref])
+
+
+def test_int8_quantization_runs(gemma_dir: Path, prompts: list[list[int]]) -> None:
+    """The quantization pass swaps Gemma's fused layers like Llama's (close, not equal)."""
+    llm = LLM(gemma_dir, kv_cache_memory=KV, quantization="int8")
+    model = llm.engine.model
+    ids = prompts[-1]
+    ref = full_logits(LLM(gemma_dir, kv_cache_memory=KV).engine.model, ids)
+    # Random weights quantize worse than trained ones: a few % of the logit range.
+    assert (full_logits(model, ids) - ref).abs().max().item() < 0.1 * ref.abs().max().item()
+    assert len(greedy(llm, [ids], 8)[0]) == 8
+
+
+def test_unsupported_architecture_lists_gemma(tmp_path: Path) -> None:
+    d = write_tiny_gemma3(tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg | {"model_type": "gemma2"}))
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'gemma2'.*'gemma3'"):
+        load_checkpoint(d)
+
+
+def test_attention_softcapping_refused(tmp_path: Path) -> None:
+    d = write_tiny_gemma3(tmp_path / "m")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps(cfg | {"attn_logit_softcapping": 50.0}))
+    with pytest.raises(ModelLoadError, match="attn_logit_softcapping"):
+        load_checkpoint(d)
+
+
+# --- GGUF: llama.cpp's names, (1 + w) norms and metadata --------------------------------------
+_GGUF_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def convert_hf_gemma3(hf_dir: Path, out: Path, window: bool = True) -> Path:
+    """A Gemma 3 HF directory -> GGUF as llama.cpp's converter writes it: gemma3.* metadata
+    (no pattern, local base or attention scale: the architecture fixes those), norms
+    stored as 1 + w, Q/K not permuted; the byte-level BPE tokenizer as tokenizer.ggml.*."""
+    from safetensors.numpy import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    w = gguf.GGUFWriter(str(out), "gemma3")
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["full_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if window:
+        w.add_sliding_window(cfg["sliding_window"])
+
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab: dict[str, int] = tok["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {a["id"] for a in tok["added_tokens"] if a["special"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+                       for i in range(len(tokens))])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m)
+                        for m in tok["model"]["merges"]])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+
+    sd = load_file(str(hf_dir / "model.safetensors"))
+
+    def stored(name: str) -> np.ndarray:
+        t = sd[name]
+        return (t + 1.0).astype(np.float32) if name.endswith("norm.weight") else t
+
+    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    for i in range(cfg["num_hidden_layers"]):
+        for hf, gg in _GGUF_LAYER.items():
+            w.add_tensor(f"blk.{i}.{gg}", np.ascontiguousarray(stored(f"model.layers.{i}.{hf}")))
+    w.add_tensor("output_norm.weight", stored("model.norm.weight"))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def test_gguf_matches_transformers(tmp_path: Path) -> None:
+    """llama.cpp fixes the attention scale at head_dim**-0.5 (27B aside): the model for
+    this test uses that scale, which the GGUF cannot state."""
+    from transformers import AutoModelForCausalLM
+
+    d = write_tiny_gemma3(tmp_path / "hf", query_pre_attn_scalar=32)
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    path = convert_hf_gemma3(d, tmp_path / "tiny-gemma3.gguf")
+    llm = LLM(path, kv_cache_memory=KV)
+    c = llm.engine.model_config
+    assert c.architecture == "gemma3" and c.sliding_window == WINDOW
+    assert c.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
+    assert (c.rope_theta, c.rope_local_theta, c.query_pre_attn_scalar) == (1e6, 1e4, 32.0)
+    ids = list(range(2, 60))
+    assert (full_logits(llm.engine.model, ids) - hf_logits(hf, ids)).abs().max().item() < 1e-4
+    ref = hf_greedy(hf, ids, 16)
+    assert_greedy_equal(greedy(llm, [ids], 16), [ref])
+
+
+def test_gguf_missing_window_is_refused(tmp_path: Path) -> None:
+    """The window is the one Gemma setting the GGUF must state: without it, one line."""
+    d = write_tiny_gemma3(tmp_path / "hf")
+    path = convert_hf_gemma3(d, tmp_path / "g.gguf", window=False)
+    with pytest.raises(ModelLoadError, match=r"gemma3\.attention\.sliding_window is missing"):
+        load_checkpoint(path)
+
+
+def test_config_json_defaults(tmp_path: Path) -> None:
+    """Keys a config.json leaves out take Gemma3TextConfig's defaults, not Llama's."""
+    d = write_tiny_gemma3(tmp_path / "hf")
+    cfg = json.loads((d / "config.json").read_text())
+    for key in ("sliding_window", "query_pre_attn_scalar", "rms_norm_eps", "tie_word_embeddings"):
+        del cfg[key]
+    (d / "config.json").write_text(json.dumps(cfg))
+    c = load_checkpoint(d).config
+    assert (c.sliding_window, c.query_pre_attn_scalar) == (4096, 256.0)
+    assert c.rms_norm_eps == 1e-6 and c.tie_word_embeddings
