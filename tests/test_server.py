@@ -365,7 +365,8 @@ BAD_COMPLETIONS: list[tuple[str, bytes | dict, str | None, str | None]] = [
     ("long prompt", {"prompt": [5] * 2048}, "prompt", "context_length_exceeded"),
     ("bad ids", {"prompt": [5, 99999]}, "prompt", None),
     ("empty prompt", {"prompt": []}, "prompt", None),
-    ("echo", {"prompt": "hi", "echo": True}, "echo", "unsupported"),
+    ("max_tokens 0 without echo", {"prompt": "hi", "max_tokens": 0}, "max_tokens", None),
+    ("prompt_logprobs", {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs", None),
     ("best_of", {"prompt": "hi", "best_of": 3}, "best_of", "unsupported"),
 ]
 BAD_CHATS: list[tuple[str, dict, str | None, str | None]] = [
@@ -691,3 +692,56 @@ def test_speculative_server_same_greedy_text_and_spec_metrics(tiny_model_dir: Pa
             assert metric(http, "kvloop_spec_draft_tokens_total") == drafted
             r = http.post("/v1/completions", json={"prompt": "hi", "num_speculative_tokens": 99})
             assert_error(r, 400, param="num_speculative_tokens")
+
+
+def test_echo_with_logprobs_scores_the_prompt(tiny_model_dir: Path) -> None:
+    """lm-evaluation-harness's loglikelihood request: echo + logprobs (+ max_tokens 0)
+    returns the prompt's tokens with their log-probs (None for the first), equal to
+    transformers'; streamed, the prompt comes first; vLLM's prompt_logprobs too."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = [5, 9, 33, 12, 7, 100, 3, 44]
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+    want = [None] + [float(ref[i - 1, ids[i]]) for i in range(1, len(ids))]
+    with serve(tiny_engine(tiny_model_dir)) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        scored = client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=2,
+                                           max_tokens=0, temperature=0)
+        (choice,) = scored.choices
+        lp = choice.logprobs
+        assert lp is not None and len(lp.tokens) == len(ids)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx(want[1:], abs=1e-4)
+        assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+        assert choice.text == "".join(lp.tokens) and lp.text_offset[0] == 0
+        assert choice.finish_reason == "length"
+
+        # echo with a completion: the prompt, then the completion, in one logprobs list.
+        both = client.completions.create(model="tiny", prompt=ids, echo=True, logprobs=0,
+                                         max_tokens=3, temperature=0)
+        plain = client.completions.create(model="tiny", prompt=ids, logprobs=0, max_tokens=3,
+                                          temperature=0)
+        c, p = both.choices[0], plain.choices[0]
+        assert c.text == choice.text + p.text
+        assert c.logprobs.token_logprobs[len(ids):] == p.logprobs.token_logprobs
+        assert c.logprobs.token_logprobs[1:len(ids)] == pytest.approx(want[1:], abs=1e-4)
+        assert c.logprobs.text_offset[len(ids)] == len(choice.text)
+        streamed = list(client.completions.create(model="tiny", prompt=ids, echo=True,
+                                                  logprobs=0, max_tokens=3, temperature=0,
+                                                  stream=True))
+        assert "".join(ch.choices[0].text for ch in streamed) == c.text
+        first = streamed[0].choices[0].logprobs
+        assert first.token_logprobs[1:len(ids)] == pytest.approx(want[1:], abs=1e-4)
+
+        vllm = client.completions.create(model="tiny", prompt=ids, max_tokens=1,
+                                         extra_body={"prompt_logprobs": 1})
+        rows = vllm.choices[0].model_extra["prompt_logprobs"]
+        assert rows[0] is None and len(rows) == len(ids)
+        assert rows[1][str(ids[1])]["logprob"] == pytest.approx(want[1], abs=1e-4)
+        with httpx.Client(base_url=server.url) as http:
+            r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 0})
+            assert_error(r, 400, param="max_tokens")
+            wait_idle(http)

@@ -73,8 +73,11 @@ Prompt = (str | Annotated[list[str], Field(min_length=1)] | _Ids
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
     logprobs: int | None = None
-    echo: bool = False  # only False is supported; accepted because clients send it
+    # The prompt comes back before the completion, with its log-probs when logprobs is
+    # set; max_tokens 0 then scores the prompt alone.
+    echo: bool = False
     suffix: str | None = None  # only None is supported
+    prompt_logprobs: int | None = None  # vLLM: the prompt's log-probs (top N) per choice
     # kvloop extension: control-token strings in the prompt ("<|im_start|>") become their
     # control tokens. Off by default: user text is text.
     parse_special_tokens: bool = False
@@ -123,8 +126,9 @@ class Usage(_Out):
 
 class CompletionLogprobs(_Out):
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] | None = None
+    # None only for the first token of an echoed prompt (nothing predicts it).
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] | None = None
     text_offset: list[int] = Field(default_factory=list)
 
 
@@ -134,6 +138,8 @@ class CompletionChoice(_Out):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM: the stop string or token id that ended it
+    # vLLM: with prompt_logprobs, per prompt token {token id: {logprob, rank, decoded_token}}.
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 def _now() -> int:

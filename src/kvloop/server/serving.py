@@ -77,6 +77,8 @@ class _Job:
     streams: list[RequestStream] = field(default_factory=list)
     # Set when the server, not the client, ends the job (shutdown): what its client is told.
     failure: APIError | None = None
+    # echo: each prompt's text, sent before its completion (with its log-probs, if asked).
+    echo_texts: list[str] | None = None
 
 
 @dataclass
@@ -128,16 +130,28 @@ class OpenAIServing:
     # -- routes ---------------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self._check_common(req)
-        if req.echo:
-            raise bad_request("echo is not supported", "echo", "unsupported")
         if req.suffix is not None:
             raise bad_request("suffix is not supported", "suffix", "unsupported")
         prompts = await self._completion_prompts(req.prompt, req.parse_special_tokens)
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default
+        if max_tokens == 0 and not req.echo:
+            raise bad_request("max_tokens 0 only makes sense with echo (it scores the prompt)",
+                              "max_tokens")
         for ids in prompts:
             self._check_context(ids, max_tokens, "prompt", "max_tokens")
-        params = self._params(req, max_tokens, req.logprobs, {"logprobs": "logprobs"})
+        # The prompt's own log-probs: echo with logprobs (OpenAI's legacy API, how
+        # lm-evaluation-harness scores), or vLLM's prompt_logprobs; echo with max_tokens 0
+        # still runs the prompt, so it asks for them too.
+        prompt_logprobs = req.prompt_logprobs
+        if req.echo and (req.logprobs is not None or max_tokens == 0):
+            prompt_logprobs = max(prompt_logprobs or 0, req.logprobs or 0)
+        params = self._params(req, max_tokens, req.logprobs, {"logprobs": "logprobs"},
+                              prompt_logprobs)
         job = _Job(f"cmpl-{uuid.uuid4().hex}", prompts, params, req.n)
+        if req.echo:
+            job.echo_texts = [p if isinstance(p, str) else self.tokenizer.decode(
+                ids, skip_special_tokens=False) for p, ids in zip(
+                    _prompt_items(req.prompt), prompts, strict=True)]
         await self._submit(job, req.priority, raw)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -146,10 +160,15 @@ class OpenAIServing:
         choices = []
         for k, out in enumerate(finals):
             for c in out.outputs:
+                echo = job.echo_texts[k] if job.echo_texts is not None else None
+                lp = self._completion_logprobs(c.token_ids, c.logprobs, c.top_logprobs,
+                                               len(echo or ""))
                 choices.append(CompletionChoice(
-                    index=k * job.choices_per_prompt + c.index, text=c.text,
-                    logprobs=self._completion_logprobs(c.token_ids, c.logprobs, c.top_logprobs, 0),
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                    index=k * job.choices_per_prompt + c.index,
+                    text=(echo or "") + c.text,
+                    logprobs=self._with_prompt(lp, out, echo, req.logprobs),
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                    prompt_logprobs=self._vllm_prompt_logprobs(out, req.prompt_logprobs)))
         resp = CompletionResponse(id=job.request_id, model=self.model_name, choices=choices,
                                   usage=_usage(finals))
         return JSONResponse(resp.model_dump(mode="json"), headers=_id_header(job))
@@ -200,13 +219,7 @@ class OpenAIServing:
 
     async def _completion_prompts(self, prompt: str | list[str] | list[int] | list[list[int]],
                                   parse_special: bool = False) -> list[list[int]]:
-        items: list[str | list[int]] = []
-        if isinstance(prompt, str):
-            items = [prompt]
-        elif prompt and all(isinstance(p, int) for p in prompt):
-            items = [[int(t) for t in prompt]]  # type: ignore[arg-type]  # one prompt of ids
-        else:
-            items = list(prompt)  # type: ignore[arg-type]  # a batch of prompts
+        items = _prompt_items(prompt)
         if not items:
             raise bad_request("prompt is empty", "prompt")
         if len(items) > self.max_prompts:
@@ -271,9 +284,10 @@ class OpenAIServing:
         return out
 
     def _params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
-                names: dict[str, str]) -> SamplingParams:
+                names: dict[str, str], prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams from the request; unset fields keep the engine's defaults."""
         kw: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": logprobs,
+                              "prompt_logprobs": prompt_logprobs,
                               "logit_bias": self._logit_bias(req.logit_bias), "seed": req.seed}
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos",
@@ -425,13 +439,20 @@ class OpenAIServing:
     async def _completion_chunks(self, job: _Job, include_usage: bool) -> AsyncIterator[str]:
         finals: dict[int, RequestOutput] = {}
         offsets: dict[int, int] = {}  # choice -> text offset of its next token
+        top = job.params.logprobs
         async for d in self._deltas(job, finals):
+            k = d.index // job.choices_per_prompt
+            echo = None
+            if job.echo_texts is not None and d.index not in offsets:
+                echo = job.echo_texts[k]  # the choice's first chunk: the prompt comes first
+                offsets[d.index] = len(echo)
             lp = self._completion_logprobs(d.token_ids, d.output.delta_logprobs,
                                            d.output.delta_top_logprobs, offsets.get(d.index, 0))
+            lp = self._with_prompt(lp, finals[k], echo, top)
             if lp is not None and lp.tokens:
                 offsets[d.index] = lp.text_offset[-1] + len(lp.tokens[-1])
             choice = CompletionChoice(
-                index=d.index, text=d.text, logprobs=lp,
+                index=d.index, text=(echo or "") + d.text, logprobs=lp,
                 finish_reason=d.output.finish_reason if d.ending else None,
                 stop_reason=d.output.stop_reason if d.ending else None)
             yield dump_chunk(CompletionResponse(id=job.request_id, model=self.model_name,
@@ -480,10 +501,52 @@ class OpenAIServing:
         for tok in tokens:
             offsets.append(offset)
             offset += len(tok)
-        top = ([{self.token_text(t): lp for t, lp in row} for row in tops]
-               if tops is not None else None)
-        return CompletionLogprobs(tokens=tokens, token_logprobs=lps, top_logprobs=top,
-                                  text_offset=offsets)
+        top: list[dict[str, float] | None] | None = (
+            [{self.token_text(t): lp for t, lp in row} for row in tops]
+            if tops is not None else None)
+        return CompletionLogprobs(tokens=tokens, token_logprobs=list[float | None](lps),
+                                  top_logprobs=top, text_offset=offsets)
+
+    def _with_prompt(self, lp: CompletionLogprobs | None, out: RequestOutput,
+                     echo: str | None, top: int | None) -> CompletionLogprobs | None:
+        """`lp` preceded by the prompt's tokens and log-probs, when echoing with logprobs:
+        the first prompt token has none (nothing predicts it), as in OpenAI's API."""
+        if echo is None or top is None or lp is None:
+            return lp
+        plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        tokens = [self.token_text(t) for t in out.prompt_token_ids]
+        offsets, offset = [], 0
+        for tok in tokens:
+            offsets.append(offset)
+            offset += len(tok)
+        return CompletionLogprobs(
+            tokens=tokens + lp.tokens,
+            token_logprobs=[e[0] if e else None for e in plp] + list(lp.token_logprobs),
+            top_logprobs=([{self.token_text(t): v for t, v in e[1]} if e and e[1] else None
+                           for e in plp] + list(lp.top_logprobs or []))
+            if top else None,
+            text_offset=offsets + lp.text_offset)
+
+    def _vllm_prompt_logprobs(self, out: RequestOutput, asked: int | None
+                              ) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's prompt_logprobs: per prompt token, {token id: logprob, rank, text} for the
+        token itself and its top alternatives; None for the first."""
+        if asked is None or out.prompt_logprobs is None:
+            return None
+        result: list[dict[str, dict[str, Any]] | None] = []
+        for tok, entry in zip(out.prompt_token_ids, out.prompt_logprobs, strict=True):
+            if entry is None:
+                result.append(None)
+                continue
+            lp, alts = entry
+            ranks = {t: r for r, (t, _) in enumerate(alts or [], start=1)}
+            row = {str(tok): {"logprob": lp, "rank": ranks.get(tok),
+                              "decoded_token": self.token_text(tok)}}
+            for t, v in alts or []:
+                row.setdefault(str(t), {"logprob": v, "rank": ranks[t],
+                                        "decoded_token": self.token_text(t)})
+            result.append(row)
+        return result
 
     def _chat_logprobs(self, ids: Sequence[int], lps: list[float] | None,
                        tops: list[list[tuple[int, float]]] | None) -> ChatLogprobs | None:
@@ -502,6 +565,16 @@ class OpenAIServing:
 
 
 # --- helpers -----------------------------------------------------------------------------------
+def _prompt_items(prompt: str | list[str] | list[int] | list[list[int]]
+                  ) -> list[str | list[int]]:
+    """The request's prompts, one item each: a text or a list of token ids."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return [[int(t) for t in prompt]]  # type: ignore[arg-type]  # one prompt of ids
+    return list(prompt)  # type: ignore[arg-type]
+
+
 def _usage(finals: Sequence[RequestOutput]) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in finals)
     completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
