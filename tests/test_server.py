@@ -146,6 +146,32 @@ def default_server() -> Iterator[BackgroundServer]:
 
 
 @pytest.mark.slow
+def test_chat_logprobs_cover_the_message_only_and_sdk_fields_are_tolerated(
+        default_server: BackgroundServer) -> None:
+    """The end-of-turn token that ends a reply is not in logprobs.content (OpenAI lists only
+    the message's tokens), streamed or not; store/metadata/service_tier and
+    response_format text are accepted; structured formats are refused as unsupported."""
+    client = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="x", max_retries=0)
+    kw = dict(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Say hi."}],
+              max_tokens=40, temperature=0, logprobs=True, top_logprobs=1)
+    chat = client.chat.completions.create(**kw, store=False, metadata={"k": "v"},
+                                          service_tier="auto",
+                                          response_format={"type": "text"})
+    choice = chat.choices[0]
+    assert choice.finish_reason == "stop"
+    tokens = [t.token for t in choice.logprobs.content]
+    assert "".join(tokens) == choice.message.content
+    assert "<|im_end|>" not in tokens
+    streamed = list(client.chat.completions.create(**kw, stream=True))
+    s_tokens = [t.token for ch in streamed if ch.choices and ch.choices[0].logprobs
+                for t in ch.choices[0].logprobs.content]
+    assert s_tokens == tokens
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(**kw, response_format={"type": "json_object"})
+    assert info.value.body["param"] == "response_format"
+
+
+@pytest.mark.slow
 def test_openai_client_greedy_equals_llm_generate(default_server: BackgroundServer,
                                                    kv_default: LLM) -> None:
     client = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="x", max_retries=0)

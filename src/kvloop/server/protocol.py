@@ -28,6 +28,11 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
 class SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -62,6 +67,12 @@ class SamplingRequest(_Strict):
     # kvloop extensions: opt out of speculative decoding, or cap this request's drafts.
     speculative: bool | None = None
     num_speculative_tokens: int | None = None
+    # Sent by the official SDKs; accepted and ignored, as they change nothing served here.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    # Only {"type": "text"} (the default) for now; structured output is refused as such.
+    response_format: ResponseFormat | None = None
 
 
 # An empty text is a prompt (the engine starts from BOS); an empty list or token list is not.

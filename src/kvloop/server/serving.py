@@ -125,6 +125,7 @@ class OpenAIServing:
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.max_model_len
         self.vocab_size = llm.model_config.vocab_size
+        self.eos = frozenset(llm.eos_token_ids())
         self._token_text: dict[int, str] = {}
 
     # -- routes ---------------------------------------------------------------------------------
@@ -201,7 +202,8 @@ class OpenAIServing:
             return self._sse(job, raw, self._chat_chunks(job, include_usage))
         out = (await self._collect(job, raw))[0]
         choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                              logprobs=self._chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs),
+                              logprobs=self._chat_logprobs(*self._message_tokens(
+                                  c, c.token_ids, c.logprobs, c.top_logprobs)),
                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                    for c in out.outputs]
         resp = ChatCompletionResponse(id=job.request_id, model=self.model_name,
@@ -210,6 +212,9 @@ class OpenAIServing:
 
     # -- checks and translation -----------------------------------------------------------------
     def _check_common(self, req: SamplingRequest) -> None:
+        if req.response_format is not None and req.response_format.type != "text":
+            raise bad_request(f"response_format {req.response_format.type!r} is not supported "
+                              f"yet (structured output)", "response_format", "unsupported")
         if self.draining:
             raise _shutting_down()
         if req.model is not None and req.model != self.model_name:
@@ -474,8 +479,9 @@ class OpenAIServing:
         async for d in self._deltas(job, finals):
             yield chunk([ChatChunkChoice(
                 index=d.index, delta=ChatDelta(content=d.text or None),
-                logprobs=self._chat_logprobs(d.token_ids, d.output.delta_logprobs,
-                                             d.output.delta_top_logprobs),
+                logprobs=self._chat_logprobs(*self._message_tokens(
+                    d.output, d.token_ids, d.output.delta_logprobs,
+                    d.output.delta_top_logprobs)),
                 finish_reason=d.output.finish_reason if d.ending else None,
                 stop_reason=d.output.stop_reason if d.ending else None)])
         if include_usage and finals:
@@ -547,6 +553,17 @@ class OpenAIServing:
                                         "decoded_token": self.token_text(t)})
             result.append(row)
         return result
+
+    def _message_tokens(self, c: CompletionOutput, ids: list[int], lps: list[float] | None,
+                        tops: list[list[tuple[int, float]]] | None
+                        ) -> tuple[list[int], list[float] | None,
+                                   list[list[tuple[int, float]]] | None]:
+        """The tokens of the message itself: an end-of-turn token that ended the reply is
+        not part of it (OpenAI's chat logprobs list only the message's tokens)."""
+        if c.finish_reason == "stop" and c.stop_reason is None and ids and ids[-1] in self.eos:
+            n = len(ids) - 1
+            return ids[:n], lps[:n] if lps is not None else None, tops[:n] if tops else tops
+        return ids, lps, tops
 
     def _chat_logprobs(self, ids: Sequence[int], lps: list[float] | None,
                        tops: list[list[tuple[int, float]]] | None) -> ChatLogprobs | None:
