@@ -22,6 +22,12 @@ from kvloop import LLM, SamplingParams
 from kvloop.errors import ModelLoadError
 from kvloop.loading.loader import load_checkpoint
 from kvloop.models import AttentionMetadata, Gemma3ForCausalLM, PrefillSegment, create_model
+from kvloop.models.attention import (
+    causal_prefix_mask,
+    flat_kv_index,
+    paged_attention,
+    sliding_window,
+)
 from kvloop.models.native import build_native_decoder, native_prefill_ready
 from test_model_parity import compare_greedy, hf_greedy
 
@@ -76,6 +82,79 @@ def assert_greedy_equal(ours: list[list[int]],
                         reference: list[tuple[list[int], torch.Tensor]]) -> None:
     for got, (want, logits) in zip(ours, reference, strict=True):
         assert compare_greedy(got, want, logits) == len(want)
+
+
+def _windowed_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        qpos: torch.Tensor, kpos: torch.Tensor, window: int) -> torch.Tensor:
+    """Dense attention of q [L, H, D] over keys/values [S, Hkv, D] at positions kpos, each
+    query seeing kpos in (qpos - window, qpos]."""
+    dist = qpos[:, None] - kpos[None, :]
+    mask = (dist >= 0) & (dist < window)  # [L, S]
+    rep = q.shape[1] // keys.shape[1]
+    k = keys.repeat_interleave(rep, dim=1).transpose(0, 1)  # [H, S, D]
+    v = values.repeat_interleave(rep, dim=1).transpose(0, 1)
+    scores = q.transpose(0, 1) @ k.transpose(1, 2) * 0.3  # [H, L, S]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1)  # [L, H, D]
+
+
+@pytest.mark.parametrize("decode_path", ["block_tables", "gather"])
+def test_sliding_window_metadata(decode_path: str) -> None:
+    """attention.sliding_window over a paged cache: decode rows (from the kernel's block
+    tables or the gather index), a chunk after a cached prefix, and a fresh chunk longer
+    than the window, each against a dense masked reference."""
+    torch.manual_seed(0)
+    W, bs, Hkv, H, D, blocks = 8, 4, 2, 4, 8, 40
+    slots_n = blocks * bs
+    cache = torch.randn(2, Hkv, slots_n, D)
+    ctx = torch.tensor([5, 13, 30])  # decode contexts: within, just past, far past
+    tables = torch.randperm(blocks)[:24].view(3, 8)  # [B, max_blocks], distinct blocks
+    seq_slots = (tables[:, :, None] * bs + torch.arange(bs)).view(3, -1)  # [B, 32]
+    B = 3
+    meta = AttentionMetadata(num_decodes=B)
+    if decode_path == "block_tables":
+        meta.decode_block_tables, meta.decode_context_lens, meta.block_size = tables, ctx, bs
+    else:
+        S = int(ctx.max())
+        meta.decode_kv_index = flat_kv_index(seq_slots[:, :S], Hkv, slots_n)
+        meta.decode_shape = (B, S)
+        pad = torch.arange(S) >= ctx[:, None]
+        meta.decode_mask = torch.zeros(B, 1, 1, S).masked_fill_(pad.view(B, 1, 1, S),
+                                                                float("-inf"))
+    # Sequence 2 again, as a 6-token chunk after its cached 24: rows B .. B+6.
+    chunk_ctx, L = 30, 6
+    meta.prefills.append(PrefillSegment(
+        B, L, flat_kv_index(seq_slots[2:3, :chunk_ctx], Hkv, slots_n),
+        causal_prefix_mask(L, chunk_ctx)))
+    # A fresh 20-token sequence attending to its own K/V: rows B+6 .. B+26.
+    F_LEN = 20
+    meta.prefills.append(PrefillSegment(B + L, F_LEN))
+    T = B + L + F_LEN
+    q, k, v = torch.randn(T, H, D), torch.randn(T, Hkv, D), torch.randn(T, Hkv, D)
+    positions = torch.cat([ctx - 1, torch.arange(chunk_ctx - L, chunk_ctx),
+                           torch.arange(F_LEN)])
+    windowed = sliding_window(meta, positions, W, Hkv, slots_n)
+    out = paged_attention(q, k, v, cache, windowed, 0.3)  # slot_mapping None: no writes
+
+    for b in range(B):
+        kpos = torch.arange(int(ctx[b]))
+        sl = seq_slots[b, kpos]
+        ref = _windowed_reference(q[b:b + 1], cache[0][:, sl].transpose(0, 1),
+                                  cache[1][:, sl].transpose(0, 1), positions[b:b + 1], kpos, W)
+        torch.testing.assert_close(out[b:b + 1], ref)
+    kpos = torch.arange(chunk_ctx)
+    sl = seq_slots[2, kpos]
+    rows = slice(B, B + L)
+    ref = _windowed_reference(q[rows], cache[0][:, sl].transpose(0, 1),
+                              cache[1][:, sl].transpose(0, 1), positions[rows], kpos, W)
+    torch.testing.assert_close(out[rows], ref)
+    rows = slice(B + L, T)
+    ref = _windowed_reference(q[rows], k[rows], v[rows], positions[rows], positions[rows], W)
+    torch.testing.assert_close(out[rows], ref)
+    # Only what a query can see is gathered.
+    assert windowed.decode_shape == (B, W)
+    assert windowed.prefills[0].kv_index is not None
+    assert windowed.prefills[0].kv_index.numel() == Hkv * (W - 1 + L)
 
 
 def test_config_from_config_json(gemma_dir: Path) -> None:

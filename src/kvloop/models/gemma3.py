@@ -196,10 +196,11 @@ class Gemma3ForCausalLM(nn.Module):
         return linears + norms
 
     def pack_weights(self, keep_dense: bool = False) -> None:
-        """Switch every linear layer to oneDNN's layout (after load_weights). No native
-        step runs Gemma yet, so nothing needs the dense copies."""
+        """Switch every linear layer to oneDNN's layout (after load_weights). keep_dense is
+        for the native step's kernels, which do not run Gemma: the dense copies would only
+        double the weights' memory, so they are dropped regardless."""
         for lin in self.linears():
-            lin.pack(keep_dense and lin is not self.lm_head)
+            lin.pack(False)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
