@@ -150,7 +150,7 @@ def test_chat_logprobs_cover_the_message_only_and_sdk_fields_are_tolerated(
         default_server: BackgroundServer) -> None:
     """The end-of-turn token that ends a reply is not in logprobs.content (OpenAI lists only
     the message's tokens), streamed or not; store/metadata/service_tier and
-    response_format text are accepted; structured formats are refused as unsupported."""
+    response_format text are accepted."""
     client = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="x", max_retries=0)
     kw = dict(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Say hi."}],
               max_tokens=40, temperature=0, logprobs=True, top_logprobs=1)
@@ -166,9 +166,50 @@ def test_chat_logprobs_cover_the_message_only_and_sdk_fields_are_tolerated(
     s_tokens = [t.token for ch in streamed if ch.choices and ch.choices[0].logprobs
                 for t in ch.choices[0].logprobs.content]
     assert s_tokens == tokens
-    with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(**kw, response_format={"type": "json_object"})
-    assert info.value.body["param"] == "response_format"
+
+
+@pytest.mark.slow
+def test_structured_output_fields(default_server: BackgroundServer) -> None:
+    """response_format json_schema / json_object through the openai SDK, vLLM's
+    structured_outputs and guided_* in extra_body; a bad constraint is a 400 naming the
+    field it came in; two constraints at once are refused."""
+    import jsonschema
+
+    client = openai.OpenAI(base_url=f"{default_server.url}/v1", api_key="x", max_retries=0)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer"}},
+              "required": ["city", "population"], "additionalProperties": False}
+    msgs = [{"role": "user", "content": "Describe a city as JSON."}]
+    kw = dict(model="SmolLM2-135M-Instruct", messages=msgs, max_tokens=80, temperature=0)
+    chat = client.chat.completions.create(**kw, response_format={
+        "type": "json_schema", "json_schema": {"name": "city", "schema": schema,
+                                               "strict": True}})
+    jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
+    chat = client.chat.completions.create(**kw, response_format={"type": "json_object"})
+    assert isinstance(json.loads(chat.choices[0].message.content), dict)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        **kw, response_format={"type": "json_object"}, stream=True) if ch.choices)
+    assert streamed == chat.choices[0].message.content
+    comp = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Pick a color:",
+                                     max_tokens=5, temperature=0, extra_body={
+                                         "structured_outputs": {"choice": ["red", "blue"]}})
+    assert comp.choices[0].text in ("red", "blue")
+    comp = client.completions.create(model="SmolLM2-135M-Instruct", prompt="Year:",
+                                     max_tokens=8, temperature=0,
+                                     extra_body={"guided_regex": " [12][0-9]{3}"})
+    assert re.fullmatch(" [12][0-9]{3}", comp.choices[0].text)
+    with httpx.Client(base_url=default_server.url) as http:
+        r = http.post("/v1/completions", json={"prompt": "x", "guided_regex": "("})
+        assert_error(r, 400, param="guided_regex")
+        r = http.post("/v1/chat/completions", json={
+            "messages": msgs, "response_format": {"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": "object", "properties": {
+                    "a": {"type": "frob"}}}}}})
+        assert_error(r, 400, param="response_format")
+        r = http.post("/v1/completions", json={"prompt": "x", "guided_regex": "a",
+                                               "guided_choice": ["b"]})
+        assert_error(r, 400, param="guided_choice")
+        wait_idle(http)
 
 
 @pytest.mark.slow

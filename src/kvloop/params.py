@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvloop.errors import InvalidParamsError
 
@@ -62,6 +63,48 @@ def _check_float(name: str, value: object, lo: float, hi: float, *,
             or (isinstance(value, float) and not math.isfinite(value))
             or not (lo < value if lo_open else lo <= value) or not value <= hi):
         raise _bad(name, value, rule, param)
+
+
+MAX_GRAMMAR_CHARS = 1 << 20  # a schema, regex or grammar's text; compiled per request
+MAX_CHOICES = 1024
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Constrain the output to a language: exactly one of a JSON schema (a dict or its
+    text), any JSON object, a regular expression, a choice of strings, or a context-free
+    grammar in Lark syntax (llguidance's dialect)."""
+
+    json_schema: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def validate(self) -> None:
+        given = [name for name, v in (("json_schema", self.json_schema),
+                                      ("json_object", self.json_object or None),
+                                      ("regex", self.regex), ("choice", self.choice),
+                                      ("grammar", self.grammar)) if v is not None]
+        if len(given) != 1:
+            raise InvalidParamsError(
+                f"structured output takes exactly one of json_schema, json_object, regex, "
+                f"choice or grammar, got {given or 'none'}", param="structured")
+        if not isinstance(self.json_object, bool):
+            raise _bad("structured.json_object", self.json_object, "true or false")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value
+                                      or len(value) > MAX_GRAMMAR_CHARS):
+                raise _bad(f"structured.{name}", value,
+                           f"a non-empty string of at most {MAX_GRAMMAR_CHARS} characters")
+        if self.choice is not None and (
+                not isinstance(self.choice, list) or not 1 <= len(self.choice) <= MAX_CHOICES
+                or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise _bad("structured.choice", self.choice,
+                        f"a list of 1 to {MAX_CHOICES} non-empty strings")
+        if self.json_schema is not None and not isinstance(self.json_schema, (dict, str)):
+            raise _bad("structured.json_schema", self.json_schema, "a JSON schema object")
 
 
 @dataclass
@@ -126,6 +169,8 @@ class SamplingParams:
     # num_speculative_tokens caps its drafts per step (None: the engine's setting).
     speculative: bool = True
     num_speculative_tokens: int | None = None
+    # Constrained decoding: the output follows this schema / regex / choice / grammar.
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -193,6 +238,10 @@ class SamplingParams:
         if self.num_speculative_tokens is not None:
             _check_int("num_speculative_tokens", self.num_speculative_tokens, 0,
                        MAX_SPECULATIVE_TOKENS)
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise _bad("structured", self.structured, "a StructuredOutput")
+            self.structured.validate()
         if self.num_beams > 1:
             self._validate_beam_combination()
         else:
@@ -232,6 +281,7 @@ class SamplingParams:
             ("min_p", self.min_p != 0.0, ""),
             ("logprobs", self.logprobs is not None, ""),
             ("prompt_logprobs", self.prompt_logprobs is not None, ""),
+            ("structured", self.structured is not None, ""),
         ]
         for name, is_set, hint in unsupported:
             if is_set:

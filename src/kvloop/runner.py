@@ -123,7 +123,11 @@ class ModelRunner:
 
     # -- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+    def execute(self, sched: SchedulerOutput,
+                allowed: dict[str, torch.Tensor] | None = None) -> RunnerOutput:
+        """Run the step. `allowed`: per sequence under a grammar, the bitmask of tokens it
+        may sample this step (see SamplingRow.allowed)."""
+        allowed = allowed or {}
         for rid in sched.finished_ids:
             self._generators.pop(rid, None)
         seqs = sched.decodes + sched.prefills
@@ -154,7 +158,8 @@ class ModelRunner:
             for rid, params in [(s.request_id, s.params), *s.fork_samples]:
                 hidden_rows.append(last)
                 rows.append(SamplingRow(params, s.prompt_ids, s.output_ids,
-                                        self._generator(rid, params), s.suppress_ids))
+                                        self._generator(rid, params), s.suppress_ids,
+                                        allowed.get(s.request_id)))
                 ids_out.append(rid)
         if not rows and not spec_rows:
             return RunnerOutput({}, num_tokens, prompt_lps)

@@ -24,6 +24,7 @@ from kvloop.config import EngineConfig, ModelConfig
 from kvloop.engine.detokenizer import IncrementalDetokenizer
 from kvloop.engine.output_state import SeqOutputState
 from kvloop.engine.outputs import CompletionOutput, RequestOutput
+from kvloop.engine.structured import GrammarCompiler
 from kvloop.errors import InvalidParamsError, ModelLoadError, PromptTooLongError
 from kvloop.kv_cache import KVCacheManager
 from kvloop.loading.loader import Checkpoint, load_checkpoint
@@ -155,6 +156,7 @@ class LLMEngine:
         # to each one's recent acceptance; none while more than spec_max_batch sequences
         # decode (the step is compute-bound: draft rows would cost more than they save).
         self.proposer = self._make_proposer()
+        self.grammars = GrammarCompiler(self.tokenizer, c.vocab_size, self.eos_token_ids())
         self.num_speculative_tokens = ec.num_speculative_tokens
         self.spec_max_batch = ec.speculative_max_batch
         self._spec: dict[str, _SpecState] = {}  # per sequence that has drafted
@@ -255,6 +257,8 @@ class LLMEngine:
                 f"prompt has {len(ids)} tokens but the model's context is {self.max_model_len} "
                 f"(room is needed for at least one generated token)"
             )
+        # Compiled before anything is queued: a bad schema or grammar is the caller's error.
+        matcher = self.grammars.matcher(params.structured) if params.structured else None
         if params.prompt_logprobs is not None and not self.config.use_cache:
             raise InvalidParamsError("prompt_logprobs needs the KV cache (use_cache=True)",
                                      param="prompt_logprobs")
@@ -278,7 +282,8 @@ class LLMEngine:
             first.fork_samples = [(f"{request_id}#{i}", self._sibling_params(params, i))
                                   for i in range(1, params.n)]
             group.num_pending_forks = params.n - 1
-        group.seqs.append(SeqOutputState(first, IncrementalDetokenizer(self.tokenizer, ids), 0))
+        group.seqs.append(SeqOutputState(first, IncrementalDetokenizer(self.tokenizer, ids), 0,
+                                         matcher=matcher))
         # Admission control first (may raise), so nothing half-queued is left behind.
         self.scheduler.add_request(first)
         self._seq_to_group[first_id] = group
@@ -332,7 +337,7 @@ class LLMEngine:
             if m.first_scheduled_time is None:
                 m.first_scheduled_time = now
         try:
-            result = self.runner.execute(sched)
+            result = self.runner.execute(sched, self._grammar_masks(sched))
         except Exception as e:
             logger.exception("the forward of step %d failed; failing its %d sequences",
                              self.num_steps, len(sched.seqs))
@@ -371,6 +376,18 @@ class LLMEngine:
             self._propose_drafts()
         return outputs
 
+    def _grammar_masks(self, sched: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """The allowed-token bitmask of every sequence under a grammar that samples now."""
+        masks = {}
+        for s in sched.seqs:
+            group = self._seq_to_group.get(s.request_id) if s.sample else None
+            if group is None or group.params.structured is None:
+                continue
+            seq = next(q for q in group.seqs if q.request_id == s.request_id)
+            if seq.matcher is not None:
+                masks[s.request_id] = self.grammars.fill_mask(seq.matcher)
+        return masks
+
     def _adapt_draft_lengths(self, sched: SchedulerOutput, accepted: dict[str, int]) -> None:
         """Each sequence's next draft length follows its acceptance (see _SpecState)."""
         for s in sched.seqs:
@@ -392,8 +409,9 @@ class LLMEngine:
                 continue  # compute-bound batch, or still prefilling
             group = self._seq_to_group.get(req.request_id)
             p = req.params
-            if group is None or group.beam is not None or not p.speculative:
-                continue  # beam search ranks whole beams: it never speculates
+            if (group is None or group.beam is not None or not p.speculative
+                    or p.structured is not None):
+                continue  # beam search ranks whole beams; grammars mask one token a step
             # Never draft past max_tokens (the step's own token counts too) or the context.
             state = self._spec.get(req.request_id)
             k = min(state.next_k() if state else self.num_speculative_tokens,
@@ -484,6 +502,12 @@ class LLMEngine:
         """Add one token; True when it finished the sequence."""
         req = seq.request
         status = seq.append(tok.token_id, tok.logprob, tok.top_logprobs)
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(tok.token_id):
+                raise RuntimeError(f"token {tok.token_id} broke the request's grammar: "
+                                   f"{seq.matcher.get_error()}")
+            if status is None and seq.matcher.is_stopped():  # the grammar is complete
+                status = RequestStatus.FINISHED_STOPPED
         m = req.metrics
         # Per sequence (the longest, for n > 1), so time per output token stays per step.
         m.num_output_tokens = max(m.num_output_tokens, len(req.output_token_ids))
@@ -507,8 +531,10 @@ class LLMEngine:
         req.metrics = parent.metrics
         self.scheduler.fork(parent, req)
         self._seq_to_group[seq_id] = group
+        # A sibling continues from the parent's grammar state, on a copy of its own.
+        matcher = group.seqs[0].matcher
         return SeqOutputState(req, IncrementalDetokenizer(self.tokenizer, group.prompt_token_ids),
-                              index)
+                              index, matcher=matcher.deep_copy() if matcher is not None else None)
 
     def _fork_siblings(self, group: _Group, sampled: dict[str, list[SampledToken]]) -> None:
         parent = group.seqs[0].request

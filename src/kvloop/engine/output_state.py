@@ -8,6 +8,7 @@ that the next token completes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvloop.engine.detokenizer import IncrementalDetokenizer
 from kvloop.request import Request, RequestStatus
@@ -24,6 +25,8 @@ class SeqOutputState:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
+    # Structured output: the sequence's grammar matcher (llguidance), advanced per token.
+    matcher: Any = None
 
     @property
     def request_id(self) -> str:

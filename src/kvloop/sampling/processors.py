@@ -42,6 +42,26 @@ def token_counts(
     return counts
 
 
+def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, W] int32 bitmasks (bit t % 32 of word t // 32 set: token t allowed) -> [B, V]
+    bool."""
+    shifts = torch.arange(32, dtype=torch.int32)  # [32]
+    allowed = (bits.unsqueeze(-1) >> shifts) & 1  # [B, W, 32]
+    return allowed.view(bits.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_allowed_mask(
+    logits: torch.Tensor, row_idx: torch.Tensor, bits: torch.Tensor
+) -> torch.Tensor:
+    """Set to -inf every token that rows ``row_idx`` do not allow.
+
+    row_idx: ``[M]`` int64; bits: ``[M, W]`` int32 bitmasks (see unpack_bitmask)."""
+    out = logits.clone()
+    allowed = unpack_bitmask(bits, logits.shape[-1])  # [M, V]
+    out[row_idx] = out[row_idx].masked_fill(~allowed, _NEG_INF)
+    return out
+
+
 def apply_logit_bias(
     logits: torch.Tensor, row_idx: torch.Tensor, token_ids: torch.Tensor, bias: torch.Tensor
 ) -> torch.Tensor:

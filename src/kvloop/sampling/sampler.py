@@ -3,6 +3,7 @@
 Processing order (vLLM V1's; transformers applies the same processors, this is the order the
 tests compose them in):
 
+0. allowed tokens (grammar)   every row with a mask
 1. logit bias                 every row
 2. suppression (min_tokens)   every row
 3. repetition penalty         every row (prompt and output tokens)
@@ -40,6 +41,9 @@ class SamplingRow:
     output_ids: Sequence[int]  # tokens generated so far by this sequence
     generator: torch.Generator | None  # per-request seeded generator (None: global RNG)
     suppress_ids: Sequence[int] = ()  # ids banned this step (EOS/stop ids under min_tokens)
+    # Structured output: the tokens allowed this step, as a bitmask ([ceil(V / 32)] int32,
+    # bit t % 32 of word t // 32); None allows every token.
+    allowed: torch.Tensor | None = None
 
 
 @dataclass
@@ -86,8 +90,13 @@ class Sampler:
         return out
 
     def _penalize(self, x: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Steps 1-4, which change what greedy picks too."""
+        """Steps 0-4, which change what greedy picks too."""
         V = x.shape[-1]
+
+        masked = [i for i, r in enumerate(rows) if r.allowed is not None]
+        if masked:
+            bits = torch.stack([rows[i].allowed for i in masked])  # type: ignore[misc]
+            x = P.apply_allowed_mask(x, torch.tensor(masked), bits)
 
         bias = [
             (i, t, b)

@@ -33,6 +33,16 @@ class ResponseFormat(_Strict):
     json_schema: dict[str, Any] | None = None
 
 
+class StructuredOutputs(_Strict):
+    """vLLM's structured_outputs: exactly one of these."""
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingRequest(_Strict):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -71,8 +81,14 @@ class SamplingRequest(_Strict):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    # Only {"type": "text"} (the default) for now; structured output is refused as such.
+    # Structured output: OpenAI's response_format, and vLLM's structured_outputs and its
+    # older guided_* fields.
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 # An empty text is a prompt (the engine starts from BOS); an empty list or token list is not.

@@ -33,7 +33,7 @@ from kvloop.engine.async_engine import (
 )
 from kvloop.engine.outputs import CompletionOutput, RequestOutput
 from kvloop.errors import KvloopError
-from kvloop.params import SamplingParams
+from kvloop.params import SamplingParams, StructuredOutput
 from kvloop.server.errors import APIError, bad_request, from_kvloop_error
 from kvloop.server.protocol import (
     AssistantMessage,
@@ -79,6 +79,7 @@ class _Job:
     failure: APIError | None = None
     # echo: each prompt's text, sent before its completion (with its log-probs, if asked).
     echo_texts: list[str] | None = None
+    structured_field: str = "response_format"  # the field a constraint came in, for errors
 
 
 @dataclass
@@ -149,6 +150,7 @@ class OpenAIServing:
         params = self._params(req, max_tokens, req.logprobs, {"logprobs": "logprobs"},
                               prompt_logprobs)
         job = _Job(f"cmpl-{uuid.uuid4().hex}", prompts, params, req.n)
+        job.structured_field = _constraint_field(req)
         if req.echo:
             job.echo_texts = [p if isinstance(p, str) else self.tokenizer.decode(
                 ids, skip_special_tokens=False) for p, ids in zip(
@@ -196,6 +198,7 @@ class OpenAIServing:
         params = self._params(req, max_tokens, logprobs,
                               {"logprobs": "top_logprobs", "max_tokens": param})
         job = _Job(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, req.n)
+        job.structured_field = _constraint_field(req)
         await self._submit(job, req.priority, raw)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -212,9 +215,6 @@ class OpenAIServing:
 
     # -- checks and translation -----------------------------------------------------------------
     def _check_common(self, req: SamplingRequest) -> None:
-        if req.response_format is not None and req.response_format.type != "text":
-            raise bad_request(f"response_format {req.response_format.type!r} is not supported "
-                              f"yet (structured output)", "response_format", "unsupported")
         if self.draining:
             raise _shutting_down()
         if req.model is not None and req.model != self.model_name:
@@ -300,6 +300,10 @@ class OpenAIServing:
             value = getattr(req, name)
             if value is not None:
                 kw[name] = value
+        structured = _structured(req)
+        if structured is not None:
+            field, kw["structured"] = structured
+            names = {**names, "structured": field}
         if req.stop is not None:
             kw["stop"] = [req.stop] if isinstance(req.stop, str) else list(req.stop)
         if req.stop_token_ids is not None:
@@ -350,7 +354,7 @@ class OpenAIServing:
         except BaseException as e:
             self._abort(job)
             self._jobs.discard(job)
-            mapped = _engine_error(e)
+            mapped = _engine_error(e, {"structured": job.structured_field})
             if mapped is e:
                 raise
             raise mapped from e
@@ -582,6 +586,43 @@ class OpenAIServing:
 
 
 # --- helpers -----------------------------------------------------------------------------------
+def _constraint_field(req: SamplingRequest) -> str:
+    """The field an output constraint came in (for the engine's compile errors)."""
+    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                 "guided_grammar"):
+        if getattr(req, name) is not None:
+            return name
+    return "response_format"
+
+
+def _structured(req: SamplingRequest) -> tuple[str, StructuredOutput] | None:
+    """The request's output constraint and the field it came in: OpenAI's response_format,
+    vLLM's structured_outputs, or one of vLLM's older guided_* fields (one of them)."""
+    found: list[tuple[str, StructuredOutput]] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", StructuredOutput(json_object=True)))
+    elif rf is not None and rf.type == "json_schema":
+        schema = (rf.json_schema or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise bad_request("response_format json_schema needs a 'schema' object",
+                              "response_format")
+        found.append(("response_format", StructuredOutput(json_schema=schema)))
+    so = req.structured_outputs
+    if so is not None:
+        found.append(("structured_outputs", StructuredOutput(
+            json_schema=so.json_schema, regex=so.regex, choice=so.choice, grammar=so.grammar,
+            json_object=bool(so.json_object))))
+    for name, kw in (("guided_json", "json_schema"), ("guided_regex", "regex"),
+                     ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        if getattr(req, name) is not None:
+            found.append((name, StructuredOutput(**{kw: getattr(req, name)})))
+    if len(found) > 1:
+        raise bad_request(f"give one output constraint, got {[f for f, _ in found]}",
+                          found[1][0])
+    return found[0] if found else None
+
+
 def _prompt_items(prompt: str | list[str] | list[int] | list[list[int]]
                   ) -> list[str | list[int]]:
     """The request's prompts, one item each: a text or a list of token ids."""
@@ -605,10 +646,10 @@ def _id_header(job: _Job) -> dict[str, str]:
     return {"X-Request-Id": job.request_id}
 
 
-def _engine_error(e: BaseException) -> BaseException:
+def _engine_error(e: BaseException, names: dict[str, str] | None = None) -> BaseException:
     """The HTTP face of an engine refusal; anything else passes through unchanged."""
     if isinstance(e, KvloopError):
-        return from_kvloop_error(e)
+        return from_kvloop_error(e, names)
     if isinstance(e, EngineOverloadedError):
         return APIError(429, f"the server is busy: {e}; retry later", "rate_limit_error",
                         code="server_busy", headers={"Retry-After": str(RETRY_AFTER_S)})
