@@ -11,7 +11,7 @@ import torch
 
 from kvloop import kernels
 from kvloop.batch import ScheduledSeq, SchedulerOutput
-from kvloop.models import AttentionMetadata, LlamaForCausalLM, PrefillSegment
+from kvloop.models import AttentionMetadata, CausalLM, PrefillSegment
 from kvloop.models.attention import causal_prefix_mask, flat_kv_index
 from kvloop.models.native import build_native_decoder, native_prefill_ready
 from kvloop.params import SamplingParams
@@ -68,7 +68,7 @@ def kv_cache_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int,
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int,
+    def __init__(self, model: CausalLM, block_size: int, num_blocks: int,
                  use_cache: bool = True, use_kernels: bool = True) -> None:
         self.model = model
         self.block_size = block_size

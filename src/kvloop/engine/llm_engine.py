@@ -29,7 +29,7 @@ from kvloop.errors import InvalidParamsError, ModelLoadError, PromptTooLongError
 from kvloop.kv_cache import KVCacheManager
 from kvloop.loading.loader import Checkpoint, load_checkpoint
 from kvloop.loading.tokenizer import Tokenizer
-from kvloop.models import LlamaForCausalLM, build_model
+from kvloop.models import CausalLM, create_model
 from kvloop.models.quantize import quantize_model
 from kvloop.params import SamplingParams
 from kvloop.quant import QUANTIZATIONS
@@ -105,15 +105,16 @@ class _SpecState:
 
 
 def load_model(checkpoint: Checkpoint, pack: bool = True, quantization: str = "none",
-               keep_dense: bool = False) -> LlamaForCausalLM:
-    model = build_model(checkpoint.config)
+               keep_dense: bool = False) -> CausalLM:
+    model = create_model(checkpoint.config)
     model.load_weights(checkpoint.weights())
     if quantization != "none":
         source = checkpoint.int4_weights() if quantization == "int4" else None
         quantize_model(model, quantization, source)
     if pack:
         model.pack_weights(keep_dense)  # whatever stayed fp32
-    return model.eval()
+    model.eval()
+    return model
 
 
 class LLMEngine:

@@ -52,6 +52,8 @@ class CausalLM(Protocol):
 
     def modules(self) -> Iterator[nn.Module]: ...
 
+    def eval(self) -> nn.Module: ...  # inference mode for the modules (nn.Module's)
+
 
 class ConfigReader(Protocol):
     """A checkpoint's metadata, as the loader's readers expose it to an architecture: each

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from kvloop.batch import ScheduledSeq, SchedulerOutput
 from kvloop.kv_cache import KVCacheManager
-from kvloop.models import LlamaForCausalLM
+from kvloop.models import CausalLM
 from kvloop.params import SamplingParams
 from kvloop.request import Request
 from kvloop.runner import ModelRunner
@@ -35,7 +35,7 @@ class _DraftSeq:
 
 
 class DraftModelProposer:
-    def __init__(self, model: LlamaForCausalLM, block_size: int, num_blocks: int,
+    def __init__(self, model: CausalLM, block_size: int, num_blocks: int,
                  use_kernels: bool = True) -> None:
         self.runner = ModelRunner(model, block_size, num_blocks, True, use_kernels)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False,
