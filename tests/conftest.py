@@ -148,11 +148,11 @@ def inject_forward_failure(engine: LLMEngine, at_step: int, seen: list[set[str]]
     real = engine.runner.execute
     calls = {"n": 0}
 
-    def execute(sched):
+    def execute(sched, *args):
         calls["n"] += 1
         seen.append({s.request_id for s in sched.seqs})
         if calls["n"] != at_step:
-            return real(sched)
+            return real(sched, *args)
         bs = engine.runner.block_size
         for s in sched.seqs:
             slots = [s.block_ids[p // bs] * bs + p % bs for p in range(s.start_pos,
