@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -415,3 +416,24 @@ def test_speculative_ngram_same_text_and_accepted_figure(tiny_model_dir: Path,
     rc, _, err = run_main(["generate", prompt, "--speculative", "ngram",
                            "--num-speculative-tokens", "99"], capsys)
     assert rc == 2 and err.count("\n") == 1 and "num_speculative_tokens" in err
+
+
+def test_structured_output_flags(tiny_model_dir: Path, tmp_path: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """--choice / --regex / --json-schema FILE constrain the output; a bad constraint or
+    two at once is one error line, exit 2."""
+    out = gen_json(tiny_model_dir, capsys, "--max-tokens", "10", "--choice", "alpha",
+                   "--choice", "beta")
+    assert out["text"] in ("alpha", "beta") and out["finish_reason"] == "stop"
+    out = gen_json(tiny_model_dir, capsys, "--max-tokens", "10", "--regex", "[0-9]{3}")
+    assert re.fullmatch("[0-9]{3}", out["text"])
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object", "properties": {"a": {"type": "boolean"}}, '
+                      '"required": ["a"], "additionalProperties": false}')
+    out = gen_json(tiny_model_dir, capsys, "--max-tokens", "40", "--json-schema", str(schema))
+    assert isinstance(json.loads(out["text"])["a"], bool)
+    for flags in (["--regex", "("], ["--regex", "a", "--choice", "b"],
+                  ["--json-schema", str(tmp_path / "missing.json")]):
+        rc, _, err = run_main(["generate", "hi", "--model", str(tiny_model_dir),
+                               "--kv-cache-memory", SMALL_KV, *flags], capsys)
+        assert rc == 2 and err.count("\n") == 1 and err.startswith("kvloop: error:"), err

@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 
 from kvloop.engine_flags import add_engine_flags, engine_options
 from kvloop.errors import KvloopError
-from kvloop.params import SamplingParams
+from kvloop.params import SamplingParams, StructuredOutput
 from kvloop.server.cli import add_serve_parser, cmd_serve
 
 EXIT_USAGE = 2
@@ -50,6 +50,15 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--length-penalty", type=float, default=1.0)
     g.add_argument("--early-stopping", default="false", choices=["true", "false", "never"])
     g.add_argument("--num-return-sequences", type=int, default=None)
+    g = p.add_argument_group("structured output (one of)")
+    g.add_argument("--json-schema", metavar="FILE", default=None,
+                   help="the output is JSON valid against this JSON schema file")
+    g.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    g.add_argument("--regex", default=None, help="the output matches this regular expression")
+    g.add_argument("--choice", action="append", default=None,
+                   help="the output is one of these strings (repeatable)")
+    g.add_argument("--grammar", metavar="FILE", default=None,
+                   help="the output follows this Lark grammar file")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -119,7 +128,33 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         length_penalty=args.length_penalty,
         early_stopping={"true": True, "false": False}.get(args.early_stopping, "never"),
         num_return_sequences=args.num_return_sequences,
+        structured=_structured(args),
     )
+
+
+def _structured(args: argparse.Namespace) -> StructuredOutput | None:
+    """The output constraint flags (one of them), files read here."""
+    given = [f for f in ("json_schema", "json_object", "regex", "choice", "grammar")
+             if getattr(args, f) not in (None, False)]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise KvloopError(f"give one of --json-schema, --json-object, --regex, --choice, "
+                          f"--grammar (got {', '.join('--' + g.replace('_', '-') for g in given)})")
+    if args.json_schema is not None:
+        return StructuredOutput(json_schema=_read_text(args.json_schema, "--json-schema"))
+    if args.grammar is not None:
+        return StructuredOutput(grammar=_read_text(args.grammar, "--grammar"))
+    return StructuredOutput(json_object=args.json_object, regex=args.regex,
+                            choice=args.choice)
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise KvloopError(f"cannot read {flag} {path}: {e}") from None
 
 
 def _make_llm(args: argparse.Namespace) -> Any:
