@@ -555,10 +555,10 @@ def first_decode_step(llm: LLM, prompts: list[list[int]],
     captured: list[tuple[SchedulerOutput, list[torch.Tensor]]] = []
     original = runner.execute
 
-    def capture(sched: SchedulerOutput) -> Any:
+    def capture(sched: SchedulerOutput, *args: Any) -> Any:
         if sched.decodes and not sched.prefills and not captured:
             captured.append((copy.deepcopy(sched), [c.clone() for c in caches]))
-        return original(sched)
+        return original(sched, *args)
 
     monkeypatch.setattr(runner, "execute", capture)
     llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
