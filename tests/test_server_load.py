@@ -47,6 +47,8 @@ class Job:
     top: int = 0  # top logprobs asked for
     want_text: list[str] = field(default_factory=list)
     want_tokens: list[int] = field(default_factory=list)
+    # Chat logprobs list the message's tokens: not an end-of-turn token that ended a choice.
+    want_logprob_tokens: int = 0
     want_prompt_tokens: int = 0
 
 
@@ -101,6 +103,10 @@ def expect(jobs: list[Job], llm: LLM) -> None:
         job.want_prompt_tokens = len(ids)
         job.want_text = [c.text for c in out.outputs]
         job.want_tokens = [len(c.token_ids) for c in out.outputs]
+        eos = set(llm.engine.eos_token_ids())
+        job.want_logprob_tokens = sum(job.want_tokens) - sum(
+            1 for c in out.outputs if job.chat and c.finish_reason == "stop"
+            and c.stop_reason is None and c.token_ids and c.token_ids[-1] in eos)
 
 
 def body(job: Job) -> dict[str, Any]:
@@ -209,7 +215,7 @@ def test_200_requests_from_32_clients(server: BackgroundServer, tiny_model_dir: 
         assert res.usage is not None
         assert res.usage["prompt_tokens"] == job.want_prompt_tokens, job
         assert res.usage["completion_tokens"] == sum(job.want_tokens), job
-        assert res.usage["completion_tokens"] == sum(res.logprob_tokens.values()), job
+        assert sum(res.logprob_tokens.values()) == job.want_logprob_tokens, job
         assert res.usage["total_tokens"] == (res.usage["prompt_tokens"]
                                              + res.usage["completion_tokens"])
         assert [res.texts[i] for i in range(job.n)] == job.want_text, job
