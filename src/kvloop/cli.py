@@ -322,6 +322,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.system is not None:
         _check_text(args.system, "--system")
     llm = _make_llm(args)
+    if not llm.tokenizer.chat_template:  # say so now, not after the first line is typed
+        from kvloop.loading.tokenizer import NO_CHAT_TEMPLATE
+
+        raise KvloopError(NO_CHAT_TEMPLATE)
     history: list[dict[str, str]] = (
         [{"role": "system", "content": args.system}] if args.system else [])
     print("kvloop chat: /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)

@@ -118,6 +118,7 @@ MAX_SPECULATIVE_TOKENS = 16
 MAX_BLOCK_SIZE = 1024  # tokens per KV block: larger only wastes the last block's slots
 MAX_NUM_SEQS = 65536
 MAX_THREADS_UNKNOWN_CPUS = 1024  # where os.cpu_count() cannot tell
+MAX_CHAT_TEMPLATE_CHARS = 1 << 20  # real templates are a few KB
 MAX_TOKENS_LIMIT = 2**31 - 1  # token counts and positions live in int32/int64 tensors
 # The least context a KV cache must hold (or the model's whole context, if smaller): below it
 # a kv_cache_memory typo (1 instead of 1GiB) would silently run a 16-token model.
@@ -163,6 +164,10 @@ class EngineConfig:
     # With more sequences decoding than this, nobody drafts: the step is compute-bound
     # already, and draft rows would cost more than the steps they save.
     speculative_max_batch: int = 8
+    # A jinja2 chat template (its text) used instead of the checkpoint's own: for models
+    # that ship none (base models such as Gemma 3 270M) or a wrong one. The CLI's
+    # --chat-template reads it from a file. Checked at load like the file's own.
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("use_cache", "enable_prefix_caching", "pack_weights", "use_kernels"):
@@ -199,6 +204,12 @@ class EngineConfig:
         _check_int("ngram_max", self.ngram_max, 1, MAX_SPECULATIVE_TOKENS)
         _check_int("ngram_min", self.ngram_min, 1, self.ngram_max)
         _check_int("speculative_max_batch", self.speculative_max_batch, 0, MAX_NUM_SEQS)
+        if self.chat_template is not None and (
+                not isinstance(self.chat_template, str) or not self.chat_template.strip()
+                or len(self.chat_template) > MAX_CHAT_TEMPLATE_CHARS):
+            raise _bad("chat_template", self.chat_template,
+                       f"the non-empty text of a jinja2 template, at most "
+                       f"{MAX_CHAT_TEMPLATE_CHARS} characters")
         size = parse_size(self.kv_cache_memory, param="kv_cache_memory")
         if size < 1:
             raise _bad("kv_cache_memory", self.kv_cache_memory, "at least 1 byte")

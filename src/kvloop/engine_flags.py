@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvloop.config import EngineConfig
+from kvloop.config import MAX_CHAT_TEMPLATE_CHARS, EngineConfig
+from kvloop.errors import InvalidParamsError
 
 
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -39,6 +40,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="draft tokens per sequence per step, at most (default 4)")
     g.add_argument("--ngram-min", type=int, default=1, help="shortest suffix looked up")
     g.add_argument("--ngram-max", type=int, default=4, help="longest suffix looked up")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a jinja2 chat template file, used instead of the model's own (base "
+                        "models such as Gemma 3 270M ship none)")
     g.add_argument("--speculative-max-batch", type=int, default=8,
                    help="with more sequences decoding at once, none drafts (default 8)")
 
@@ -56,5 +60,22 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "ngram_min": args.ngram_min, "ngram_max": args.ngram_max,
         "speculative_max_batch": args.speculative_max_batch,
     }
+    if args.chat_template is not None:
+        options["chat_template"] = read_chat_template(args.chat_template)
     EngineConfig(**options)
     return options
+
+
+def read_chat_template(path: str) -> str:
+    """The text of a --chat-template file; one InvalidParamsError line if it cannot be."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CHAT_TEMPLATE_CHARS * 4 + 1)  # UTF-8: up to 4 bytes a char
+    except OSError as e:
+        raise InvalidParamsError(f"--chat-template {path}: {e.strerror or e}",
+                                 param="chat_template") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidParamsError(f"--chat-template {path}: not UTF-8 text",
+                                 param="chat_template") from None

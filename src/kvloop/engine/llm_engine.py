@@ -10,6 +10,7 @@ the engine appends tokens, detokenizes, checks stop conditions and frees what fi
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import time
@@ -129,6 +130,10 @@ class LLMEngine:
         self.checkpoint = checkpoint or load_checkpoint(model)
         self.model_config: ModelConfig = self.checkpoint.config
         self.tokenizer: Tokenizer = self.checkpoint.tokenizer
+        if self.config.chat_template is not None:
+            # A copy: a checkpoint passed in may serve other engines with its own template.
+            self.tokenizer = copy.copy(self.tokenizer)
+            self.tokenizer.set_chat_template(self.config.chat_template)
         if self.config.quantization not in QUANTIZATIONS:
             raise InvalidParamsError(f"quantization must be one of {QUANTIZATIONS}, got "
                                      f"{self.config.quantization!r}")

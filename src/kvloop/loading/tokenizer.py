@@ -128,6 +128,12 @@ def _byte_alphabet() -> dict[int, str]:
 
 
 # ---------------------------------------------------------------------------------------------
+NO_CHAT_TEMPLATE = (
+    "this model has no chat template (its checkpoint carries no tokenizer.chat_template): "
+    "supply one (--chat-template FILE, or chat_template= in the Python API) or send a "
+    "plain-text prompt instead of chat messages")
+
+
 class Tokenizer:
     """Wraps a real `tokenizers.Tokenizer` plus the facts the engine needs around it:
     special ids, whether BOS is added, and the chat template."""
@@ -308,6 +314,17 @@ class Tokenizer:
         """The vocabulary entry for id `i` as stored (byte-level or ▁-spelled), None if unknown."""
         return self._backend.id_to_token(i)
 
+    def set_chat_template(self, template: str) -> None:
+        """Use `template` instead of the checkpoint's own chat template (or lack of one),
+        checked as a file's own is at load: a ModelLoadError line if it does not compile
+        or runs over the render limits."""
+        previous, self.chat_template = self.chat_template, template
+        try:
+            self._check_chat_template()
+        except ModelLoadError as e:
+            self.chat_template = previous
+            raise ModelLoadError(str(e).replace("chat template", "--chat-template", 1)) from None
+
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
@@ -326,10 +343,7 @@ class Tokenizer:
         alternate"), its bugs, and a TemplateLimitError when it runs over a limit.
         """
         if not self.chat_template:
-            raise KvloopError(
-                "this model has no chat template (tokenizer.chat_template); "
-                "send a plain-text prompt instead of chat messages"
-            )
+            raise KvloopError(NO_CHAT_TEMPLATE)
         def text_of(i: int | None) -> str:
             return (self.id_to_token(i) or "") if i is not None else ""
 
