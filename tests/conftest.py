@@ -119,6 +119,82 @@ def write_tiny_gemma3(path: Path, seed: int = 0, **overrides) -> Path:
     return path
 
 
+def _write_tiny_family(path: Path, model_type: str, seed: int, overrides: dict,
+                       **config) -> Path:
+    """A random model of `model_type` built by transformers from its config and saved
+    (config.json + safetensors + tokenizer): matrices normal(0, 0.15) like the others;
+    biases and QK-norm weights random too (HF's init makes them 0 and 1, which would hide
+    them); Gemma's zero-centred norm weights normal(0, 0.3)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+               rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+               pad_token_id=0)
+    cfg.update(config)
+    cfg.update(overrides)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **cfg),
+                                             dtype=torch.float32).eval()
+    gemma = model_type.startswith("gemma")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+            elif name.endswith(".bias"):
+                p.normal_(0, 0.5)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")) and not gemma:
+                p.normal_(1.0, 0.5)
+            elif gemma and name.endswith("norm.weight"):
+                p.normal_(0, 0.3)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    _train_tokenizer(path, cfg["vocab_size"])
+    return path
+
+
+# Llama 3's rope scaling with an original context of 64 positions: at head_dim 16 two
+# frequencies fall in the blended band and five are slowed 8x, so scaling changes them.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+
+
+def write_tiny_llama3(path: Path, seed: int = 0, **overrides) -> Path:
+    """Llama 3: rope scaling ("llama3") that moves most rope frequencies."""
+    return _write_tiny_family(path, "llama", seed, overrides, rope_parameters=LLAMA3_ROPE)
+
+
+def write_tiny_qwen2(path: Path, seed: int = 0, **overrides) -> Path:
+    """Qwen2/2.5: q/k/v biases (random, so that they move the logits)."""
+    return _write_tiny_family(path, "qwen2", seed, overrides)
+
+
+def write_tiny_qwen3(path: Path, seed: int = 0, **overrides) -> Path:
+    """Qwen3: QK-norm with weights away from 1, and head_dim 32, unlike hidden / heads."""
+    return _write_tiny_family(path, "qwen3", seed, overrides, head_dim=32)
+
+
+def write_tiny_mistral(path: Path, seed: int = 0, **overrides) -> Path:
+    """Mistral: a 16-token sliding window on every layer, which most prompts outgrow."""
+    return _write_tiny_family(path, "mistral", seed, overrides, sliding_window=16)
+
+
+def write_tiny_phi3(path: Path, seed: int = 0, **overrides) -> Path:
+    """Phi-3: Q/K/V and gate/up stored fused (qkv_proj, gate_up_proj)."""
+    return _write_tiny_family(path, "phi3", seed, overrides)
+
+
+def write_tiny_gemma2(path: Path, seed: int = 0, **overrides) -> Path:
+    """Gemma 2: four layers alternating sliding (16-token window) and global, attention
+    and final logit softcaps small enough to bite, head_dim and query_pre_attn_scalar
+    unlike hidden / heads, tied embeddings."""
+    return _write_tiny_family(
+        path, "gemma2", seed, overrides, num_hidden_layers=4, head_dim=32,
+        query_pre_attn_scalar=24, sliding_window=16, attn_logit_softcapping=3.0,
+        final_logit_softcapping=5.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+
+
 def write_gguf(path: Path, tensors, arch: str = "llama", metadata=None) -> Path:
     """Write a GGUF file: `metadata(writer)` adds key/values, then `tensors`, a list of
     (name, array, quant type or None); raw uint8 bytes when a quant type is given."""

@@ -272,8 +272,9 @@ def test_int8_quantization_runs(gemma_dir: Path, prompts: list[list[int]]) -> No
 def test_unsupported_architecture_lists_gemma(tmp_path: Path) -> None:
     d = write_tiny_gemma3(tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
-    (d / "config.json").write_text(json.dumps(cfg | {"model_type": "gemma2"}))
-    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'gemma2'.*'gemma3'"):
+    (d / "config.json").write_text(json.dumps(cfg | {"model_type": "recurrent_gemma"}))
+    with pytest.raises(ModelLoadError,
+                       match=r"unsupported architecture 'recurrent_gemma'.*'gemma3'"):
         load_checkpoint(d)
 
 

@@ -10,7 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import write_tiny_gemma3, write_tiny_model
+from conftest import (
+    write_tiny_gemma2,
+    write_tiny_gemma3,
+    write_tiny_llama3,
+    write_tiny_mistral,
+    write_tiny_model,
+    write_tiny_phi3,
+    write_tiny_qwen2,
+    write_tiny_qwen3,
+)
 from kvloop import LLM, SamplingParams
 from kvloop.models import AttentionMetadata, PrefillSegment
 
@@ -101,8 +110,18 @@ def test_default_model_greedy_matches_transformers(kv_default, hf_default):
     check_model(kv_default, hf_model, prompts, NEW_TOKENS)
 
 
-# One tiny random model per architecture kvloop runs, each written by transformers.
-TINY_FAMILIES = {"llama": write_tiny_model, "gemma3": write_tiny_gemma3}
+# One tiny random model per family kvloop runs, each written by transformers, each with its
+# distinguishing feature set so that it matters (tests/test_families.py shows it does).
+TINY_FAMILIES = {
+    "llama": write_tiny_model,
+    "llama3": write_tiny_llama3,  # rope scaling
+    "qwen2": write_tiny_qwen2,  # q/k/v biases
+    "qwen3": write_tiny_qwen3,  # QK-norm, explicit head_dim
+    "mistral": write_tiny_mistral,  # sliding window on every layer
+    "phi3": write_tiny_phi3,  # fused qkv / gate-up weights
+    "gemma2": write_tiny_gemma2,  # attention + final softcapping, alternating windows
+    "gemma3": write_tiny_gemma3,  # QK-norm, 5:1 local/global, two rope bases
+}
 
 
 @pytest.mark.parametrize("family", sorted(TINY_FAMILIES))

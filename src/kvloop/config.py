@@ -41,6 +41,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale is this**-0.5 (None: head_dim)
     hidden_act: str = "silu"  # the MLP's gate activation: "silu" or "gelu_pytorch_tanh"
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # Gemma 2: attention scores = cap * tanh(scores / cap), before the mask and softmax.
+    attn_logit_softcapping: float | None = None
 
     def is_sliding(self, layer: int) -> bool:
         """Whether `layer` attends only to the last `sliding_window` positions."""

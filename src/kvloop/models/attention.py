@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -167,7 +168,13 @@ def paged_attention(
     kv_cache: torch.Tensor | None,  # [2, Hkv, slots, D]
     meta: AttentionMetadata,
     scale: float,
+    softcap: float | None = None,  # Gemma 2: scores = softcap * tanh(scores / softcap)
 ) -> torch.Tensor:  # [T, H, D]
+    """Softcapped attention has no kernel: its decode rows must come as a gather index
+    (kvloop.models.gemma2.without_decode_kernel), and it runs softcapped_sdpa."""
+    sdpa: Callable[..., torch.Tensor] = F.scaled_dot_product_attention
+    if softcap is not None:
+        sdpa = partial(softcapped_sdpa, softcap=softcap)
     if kv_cache is not None and meta.slot_mapping is not None:
         kv_cache[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         kv_cache[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
@@ -176,6 +183,7 @@ def paged_attention(
     n = meta.num_decodes
     if n and meta.decode_block_tables is not None:
         assert kv_cache is not None and meta.decode_context_lens is not None
+        assert softcap is None, "the decode kernel does not softcap"
         out[:n] = kernels.paged_decode_attention(
             q[:n], kv_cache, meta.decode_block_tables, meta.decode_context_lens,
             meta.block_size, scale)  # [B, H, D]
@@ -184,7 +192,7 @@ def paged_attention(
         B, S = meta.decode_shape
         keys = _gather(kv_cache[0], meta.decode_kv_index, B, S)  # [B, Hkv, S, D]
         values = _gather(kv_cache[1], meta.decode_kv_index, B, S)
-        o = F.scaled_dot_product_attention(
+        o = sdpa(
             q[:n].unsqueeze(2), keys, values,  # q: [B, H, 1, D]
             attn_mask=meta.decode_mask, scale=scale, enable_gqa=True,
         )
@@ -196,7 +204,7 @@ def paged_attention(
             ks = k[rows].transpose(0, 1).contiguous().unsqueeze(0)  # [1, Hkv, L, D]
             vs = v[rows].transpose(0, 1).contiguous().unsqueeze(0)
             # A mask here only where a sliding window cuts the chunk (see sliding_window).
-            o = F.scaled_dot_product_attention(
+            o = sdpa(
                 qs, ks, vs, attn_mask=seg.mask, is_causal=seg.mask is None, scale=scale,
                 enable_gqa=True,
             )
@@ -205,8 +213,32 @@ def paged_attention(
             ctx = seg.kv_index.shape[0] // kv_cache.shape[1]
             ks = _gather(kv_cache[0], seg.kv_index, 1, ctx)  # [1, Hkv, ctx, D]
             vs = _gather(kv_cache[1], seg.kv_index, 1, ctx)
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=seg.mask, scale=scale, enable_gqa=True
-            )
+            o = sdpa(qs, ks, vs, attn_mask=seg.mask, scale=scale, enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
     return out
+
+
+def softcapped_sdpa(
+    q: torch.Tensor,  # [B, H, L, D]
+    k: torch.Tensor,  # [B, Hkv, S, D]
+    v: torch.Tensor,  # [B, Hkv, S, D]
+    attn_mask: torch.Tensor | None = None,  # [L, S] bool (True: seen) or additive float
+    is_causal: bool = False,
+    scale: float = 1.0,
+    enable_gqa: bool = True,
+    *,
+    softcap: float,
+) -> torch.Tensor:  # [B, H, L, D]
+    """scaled_dot_product_attention's arguments, with Gemma 2's softcapping of the scores
+    (HF's eager order: scale, cap, then the mask, softmax in fp32). SDPA cannot cap."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = q @ k.transpose(-1, -2) * scale  # [B, H, L, S]
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        L, S = scores.shape[-2:]
+        attn_mask = torch.ones(L, S, dtype=torch.bool).tril()
+    if attn_mask is not None:
+        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                  else scores + attn_mask)
+    return scores.softmax(-1) @ v

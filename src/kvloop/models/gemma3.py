@@ -18,9 +18,9 @@ quantization pass treats both alike.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -109,12 +109,14 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    attention_cls: Callable[[ModelConfig], Any] = Attention  # Gemma 2's has no QK-norm
+
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.sliding = config.is_sliding(index)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.self_attn = Attention(config)
+        self.self_attn = self.attention_cls(config)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.mlp = MLP(config)
@@ -137,11 +139,13 @@ class DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(nn.Module):
+    layer_cls: Callable[[ModelConfig, int], nn.Module] = DecoderLayer  # Gemma 2's
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = _param(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.layer_cls(config, i) for i in range(config.num_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         # Global layers: rope_theta with its scaling; local ones their own base, unscaled.
@@ -186,6 +190,10 @@ class Gemma3ForCausalLM(nn.Module):
     def linears(self) -> list[Linear]:
         """The fp32 linear layers (quantized ones are other modules)."""
         return [m for m in self.modules() if isinstance(m, Linear)]
+
+    def expected_tensors(self) -> dict[str, tuple[Dim, ...]]:
+        """The HF-named tensors a checkpoint of this model holds (Gemma 2's differ)."""
+        return gemma3_tensor_shapes(self.config)
 
     def decode_read_bytes(self) -> int:
         """Weight bytes one decode step reads: every linear layer (the head included) and the
@@ -255,8 +263,7 @@ class Gemma3ForCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, GemmaRMSNorm):
                 m.fold()
-        expected = 2 + (0 if c.tie_word_embeddings else 1) + c.num_layers * (
-            13 + (3 if c.attention_bias else 0))
+        expected = len(self.expected_tensors())
         if len(loaded) != expected:
             raise ValueError(
                 f"checkpoint has {len(loaded)} of the {expected} tensors this model needs"

@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, SmolLM2, Mistral-style, Qwen2 with q/k/v biases) in PyTorch.
+"""The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2 with q/k/v biases) in PyTorch; Qwen3
+(kvloop.models.qwen3) and Phi-3 (kvloop.models.phi3) are variants of these classes.
 
 A model maps (token ids, positions, attention metadata, KV caches) to hidden states, and
 hidden states at the sampled rows to logits. It knows nothing of requests or scheduling.
@@ -10,14 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvloop.config import ModelConfig
-from kvloop.models.attention import AttentionMetadata, paged_attention
+from kvloop.errors import ModelLoadError
+from kvloop.models.attention import AttentionMetadata, paged_attention, sliding_window
 from kvloop.models.base import Architecture, ConfigReader, Dim, config_dims
 from kvloop.models.linear import Linear
 from kvloop.models.rope import RotaryEmbedding
@@ -81,10 +83,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    attention_cls: Callable[[ModelConfig], Any] = Attention  # a variant's attention (Qwen3)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = self.attention_cls(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -100,11 +104,16 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    layer_cls: Callable[[ModelConfig], nn.Module] = DecoderLayer
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = _param(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(self.layer_cls(config) for _ in range(config.num_layers))
+        # Mistral (every layer), Qwen2/3 with use_sliding_window (the upper layers): these
+        # layers see only the last `sliding_window` positions.
+        self.sliding = [config.is_sliding(i) for i in range(config.num_layers)]
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
         self.rope = RotaryEmbedding(config)
@@ -116,10 +125,17 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[torch.Tensor] | None = None,  # one [2, Hkv, slots, D] per layer
     ) -> torch.Tensor:  # [T, hidden], final-normed
+        c = self.config
         x = F.embedding(input_ids, self.embed_tokens)
         rope = self.rope.cos_sin(positions)
+        local_meta = meta
+        if c.sliding_window is not None and any(self.sliding):
+            num_slots = kv_caches[0].shape[2] if kv_caches else 0
+            local_meta = sliding_window(meta, positions, c.sliding_window, c.num_kv_heads,
+                                        num_slots)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, None if kv_caches is None else kv_caches[i], meta)
+            x = layer(x, rope, None if kv_caches is None else kv_caches[i],
+                      local_meta if self.sliding[i] else meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
@@ -128,6 +144,10 @@ class LlamaForCausalLM(nn.Module):
     def linears(self) -> list[Linear]:
         """The fp32 linear layers (quantized ones are other modules)."""
         return [m for m in self.modules() if isinstance(m, Linear)]
+
+    def expected_tensors(self) -> dict[str, tuple[Dim, ...]]:
+        """The HF-named tensors a checkpoint of this model holds (a variant's own)."""
+        return llama_tensor_shapes(self.config)
 
     def decode_read_bytes(self) -> int:
         """Weight bytes one decode step reads: every linear layer (the head included) and the
@@ -147,7 +167,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up as they arrive."""
+        """Copy HF-named tensors in, fusing q/k/v and gate/up as they arrive (Phi-3 stores
+        them fused already: qkv_proj, gate_up_proj)."""
         c = self.config
         loaded: set[str] = set()
         qkv_rows = {"q_proj": (0, c.q_size), "k_proj": (c.q_size, c.kv_size),
@@ -177,12 +198,18 @@ class LlamaForCausalLM(nn.Module):
                 if dest is None:
                     raise ValueError(f"unexpected bias {name} for a model without attention bias")
                 dest[start:start + size].copy_(w)
+            elif module == "qkv_proj" and leaf == "weight":
+                attn.qkv_proj.weight.copy_(w)  # [q; k; v] rows, as kvloop fuses them
             elif module == "o_proj":
                 attn.o_proj.weight.copy_(w)
+            elif module in ("q_norm", "k_norm") and hasattr(attn, module):
+                cast(RMSNorm, getattr(attn, module)).weight.copy_(w)  # Qwen3
             elif module == "gate_proj":
                 mlp.gate_up_proj.weight[: mlp.inter].copy_(w)
             elif module == "up_proj":
                 mlp.gate_up_proj.weight[mlp.inter:].copy_(w)
+            elif module == "gate_up_proj":
+                mlp.gate_up_proj.weight.copy_(w)  # [gate; up] rows, as kvloop fuses them
             elif module == "down_proj":
                 mlp.down_proj.weight.copy_(w)
             elif module == "input_layernorm":
@@ -194,12 +221,12 @@ class LlamaForCausalLM(nn.Module):
             loaded.add(name)
         if c.tie_word_embeddings:
             self.lm_head.weight.copy_(self.embed_tokens)
-        expected = 2 + (0 if c.tie_word_embeddings else 1) + c.num_layers * (
-            9 + (3 if c.attention_bias else 0)
-        )
-        if len(loaded) != expected:
+        expected = self.expected_tensors().keys()
+        if loaded != expected:
+            missing = sorted(expected - loaded)
             raise ValueError(
-                f"checkpoint has {len(loaded)} of the {expected} tensors this model needs"
+                f"checkpoint has {len(loaded & expected)} of the {len(expected)} tensors this "
+                f"model needs (missing: {', '.join(missing[:3])})"
             )
 
 
@@ -250,9 +277,49 @@ GGUF_GLOBAL_NAMES = {
 }
 
 
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def silu_mlp(reader: ConfigReader, config: ModelConfig) -> ModelConfig:
+    """The family's MLP gate is SiLU: any other hidden_act is refused, not run as SiLU."""
+    act = reader.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"{reader.where('hidden_act')} = {act!r:.60}: kvloop runs "
+                             f"{config.architecture} with 'silu'")
+    return config
+
+
+def every_layer_sliding(reader: ConfigReader, config: ModelConfig) -> ModelConfig:
+    """Mistral, Phi-3: a sliding_window, when config.json sets one, applies to every layer
+    (HF's MistralAttention / Phi3Attention pass it to each)."""
+    if reader.get("sliding_window") is None:
+        return config
+    return replace(config, sliding_window=reader.get_int("sliding_window"),
+                   layer_types=(SLIDING,) * config.num_layers)
+
+
+def qwen_sliding(reader: ConfigReader, config: ModelConfig) -> ModelConfig:
+    """Qwen2/Qwen3: a window only with use_sliding_window (HF drops the window otherwise),
+    on the layers layer_types marks (by default those from max_window_layers up)."""
+    if not reader.get("use_sliding_window", False):
+        return config
+    n = config.num_layers
+    layer_types = reader.get("layer_types")
+    if layer_types is None:
+        first = reader.get_int("max_window_layers", 28)
+        layer_types = [SLIDING if i >= first else FULL for i in range(n)]
+    if not isinstance(layer_types, list | tuple) or len(layer_types) != n \
+            or any(t not in (SLIDING, FULL) for t in layer_types):
+        raise ModelLoadError(f"{reader.where('layer_types')} = {layer_types!r:.60}: must list "
+                             f"{SLIDING!r} or {FULL!r} for each of the {n} layers")
+    return replace(config, sliding_window=reader.get_int("sliding_window", 4096),
+                   layer_types=tuple(layer_types))
+
+
 def _qwen2_hf_config(reader: ConfigReader, config: ModelConfig) -> ModelConfig:
     # Qwen2 checkpoints have q/k/v biases unless config.json says otherwise.
-    return replace(config, attention_bias=bool(reader.get("attention_bias", True)))
+    config = replace(config, attention_bias=bool(reader.get("attention_bias", True)))
+    return qwen_sliding(reader, config)
 
 
 def _no_extras(reader: ConfigReader, config: ModelConfig) -> ModelConfig:
@@ -262,17 +329,22 @@ def _no_extras(reader: ConfigReader, config: ModelConfig) -> ModelConfig:
 def _family(name: str, permute_qk: bool,
             hf_config: Callable[[ConfigReader, ModelConfig], ModelConfig] = _no_extras,
             ) -> Architecture:
+    def read(reader: ConfigReader, config: ModelConfig) -> ModelConfig:
+        return hf_config(reader, silu_mlp(reader, config))
+
     return Architecture(
         name=name, model_class=LlamaForCausalLM, tensor_shapes=llama_tensor_shapes,
         gguf_layer_names=GGUF_LAYER_NAMES, gguf_global_names=GGUF_GLOBAL_NAMES,
-        gguf_permute_qk=permute_qk, hf_config=hf_config, native=True)
+        gguf_permute_qk=permute_qk, hf_config=read, native=True)
 
 
-# Llama, Mistral and Qwen2 share one implementation; Qwen2 differs only by q/k/v biases,
-# which the config's attention_bias flag switches on. llama.cpp's converter permutes the
-# Q/K rows of Llama and Mistral (its rope pairs neighbours) but not of Qwen2.
+# Llama, Mistral and Qwen2 share one implementation; Qwen2 differs by q/k/v biases, which
+# the config's attention_bias flag switches on, Mistral by its sliding window. llama.cpp's
+# converter permutes the Q/K rows of Llama and Mistral (its rope pairs neighbours) but not
+# of Qwen2. Llama 3's rope scaling is the config's rope_scaling (kvloop.models.rope). The
+# native step declines a model whose window bites (kvloop.models.native).
 ARCHITECTURES = (
     _family("llama", permute_qk=True),
-    _family("mistral", permute_qk=True),
+    _family("mistral", permute_qk=True, hf_config=every_layer_sliding),
     _family("qwen2", permute_qk=False, hf_config=_qwen2_hf_config),
 )

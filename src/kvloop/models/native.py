@@ -47,10 +47,18 @@ def bf16_gemm_fast() -> bool:
 
 
 def native_supported(model: CausalLM) -> bool:
-    """Whether the C++ decoder computes this architecture (it hard-codes the Llama layer:
-    pre-norms only, SiLU, no QK-norm, full attention). Anything else runs on the modules:
-    a wrong answer is never the price of speed."""
-    return get_architecture(model.config.architecture).native
+    """Whether the C++ decoder computes this model (it hard-codes the Llama layer: pre-norms
+    only, SiLU, no QK-norm, full attention, no softcapping). An architecture must say it is
+    that layer (Architecture.native); a model of it whose config asks for more (a sliding
+    window that can bite: Mistral, Phi-3, Qwen with use_sliding_window) is declined too.
+    Anything declined runs on the modules: a wrong answer is never the price of speed."""
+    c = model.config
+    if not get_architecture(c.architecture).native:
+        return False
+    window_bites = c.sliding_window is not None and c.sliding_window < \
+        c.max_position_embeddings and any(c.is_sliding(i) for i in range(c.num_layers))
+    return not (window_bites or c.hidden_act != "silu" or c.attn_logit_softcapping is not None
+                or c.final_logit_softcapping is not None)
 
 
 def attach_native_linears(model: CausalLM) -> None:

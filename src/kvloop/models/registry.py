@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from kvloop.config import ModelConfig
 from kvloop.errors import ModelLoadError
-from kvloop.models import gemma3, llama
+from kvloop.models import gemma2, gemma3, llama, phi3, qwen3
 from kvloop.models.base import Architecture, CausalLM
 
 # GGUF general.architecture values and HF model_type values, each to its record.
 ARCHITECTURES: dict[str, Architecture] = {
-    a.name: a for a in (*llama.ARCHITECTURES, *gemma3.ARCHITECTURES)
+    a.name: a for family in (llama, qwen3, phi3, gemma2, gemma3) for a in family.ARCHITECTURES
 }
 
 
