@@ -311,11 +311,17 @@ class ModelRunner:
             ctx = torch.tensor([s.context_len for s in sched.decodes])  # [B]
             S = int(ctx.max())
             slots = (tables[:n, :, None] * bs + torch.arange(bs)).view(n, -1)[:, :S]  # [B, S]
+            pad = None
+            if int(ctx.min()) != S:
+                # A shorter context's padding reads zeroed slot 0, never its own block's
+                # unwritten slots: masked scores weigh 0, but 0 * NaN left in reused memory
+                # would still be NaN.
+                pad = torch.arange(S) >= ctx[:, None]  # [B, S]
+                slots = slots.masked_fill(pad, 0)
             meta.decode_kv_index = flat_kv_index(slots, heads, num_slots)
             meta.decode_shape = (n, S)
-            if int(ctx.min()) != S:
+            if pad is not None:
                 # Additive float mask: SDPA's CPU kernel was faster with it than with bool.
-                pad = torch.arange(S) >= ctx[:, None]  # [B, S]
                 meta.decode_mask = torch.zeros(n, 1, 1, S).masked_fill_(
                     pad.view(n, 1, 1, S), float("-inf"))
 
