@@ -406,12 +406,18 @@ TOKENIZER_TEXTS = [
     "<start_of_turn>user\nhi<end_of_turn>",
 ]
 REAL_PROMPTS = ["The capital of France is", "Once upon a time, in a small village,",
-                "def fibonacci(n):", "The three laws of thermodynamics are"]
-# Past the 512-token window: ~700 and ~1,100 tokens.
+                "def fibonacci(n):", "The three laws of thermodynamics are",
+                "Photosynthesis is the process by which"]
+# Past the 512-token window: 721, 1,405 and ~1,000 tokens.
 REAL_LONG = [" ".join(["The history of the Roman Empire spans many centuries and includes "
                        "emperors, wars, and culture."] * 40),
              " ".join(f"Item {i}: a line of a long inventory, with numbers {i * 7} and {i * 13}."
-                      for i in range(60))]
+                      for i in range(60)),
+             "\n".join(f'def step_{i}(state):\n    """Advance the machine by one tick ({i})."""'
+                       f"\n    state.count += {i}\n    return state.count * {i % 7}\n"
+                       for i in range(25))]
+REAL_ALL = REAL_PROMPTS + REAL_LONG
+REAL_NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
@@ -432,13 +438,21 @@ def real_gemma(real_gemma_path: Path) -> tuple[LLM, Any, Any]:
     d, name = real_gemma_path.parent, real_gemma_path.name
     hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-    return LLM(real_gemma_path, kv_cache_memory="512MiB"), hf, tok
+    # fp32 (dequantized) weights on both sides: the oracle's own arithmetic.
+    return LLM(real_gemma_path, kv_cache_memory="512MiB", quantization="none"), hf, tok
+
+
+@pytest.fixture(scope="module")
+def real_alone(real_gemma: tuple[LLM, Any, Any]) -> list[list[int]]:
+    """Greedy tokens of each REAL_ALL prompt run alone on the default engine."""
+    llm, _, tok = real_gemma
+    return [greedy(llm, [tok(t).input_ids], REAL_NEW_TOKENS)[0] for t in REAL_ALL]
 
 
 @pytest.mark.slow
 def test_real_gemma3_tokenizer_matches_transformers(real_gemma: tuple[LLM, Any, Any]) -> None:
     llm, _, tok = real_gemma
-    for text in TOKENIZER_TEXTS:
+    for text in TOKENIZER_TEXTS + REAL_ALL:
         # User text stays text by default; with parse_special the control tokens parse as
         # transformers parses them.
         ids = tok(text).input_ids
@@ -447,33 +461,37 @@ def test_real_gemma3_tokenizer_matches_transformers(real_gemma: tuple[LLM, Any, 
 
 
 @pytest.mark.slow
-def test_real_gemma3_greedy_matches_transformers(real_gemma: tuple[LLM, Any, Any]) -> None:
+def test_real_gemma3_greedy_matches_transformers(real_gemma: tuple[LLM, Any, Any],
+                                                 real_alone: list[list[int]]) -> None:
+    """Eight prompts, three of them 700-1,400 tokens (past the 512 window), each alone: 64
+    greedy tokens equal transformers' fp32 generate, last-position logits within 1e-3."""
     llm, hf, tok = real_gemma
-    prompts = [tok(p).input_ids for p in REAL_PROMPTS + REAL_LONG]
-    assert all(len(p) > 512 for p in prompts[-2:])
-    for ids in prompts:
+    prompts = [tok(p).input_ids for p in REAL_ALL]
+    assert len(prompts) >= 8
+    assert sum(600 <= len(p) <= 1500 for p in prompts) >= 3
+    for ids, got in zip(prompts, real_alone, strict=True):
         ref = hf_logits(hf, ids)[-1]
         assert (full_logits(llm.engine.model, ids)[-1] - ref).abs().max().item() < 1e-3
-    outs = greedy(llm, prompts, 32)  # one batch
-    for got, ids in zip(outs, prompts, strict=True):
-        want, logits = hf_greedy(hf, ids, 32)
+        want, logits = hf_greedy(hf, ids, REAL_NEW_TOKENS)
         assert compare_greedy(got, want, logits) == len(want)
 
 
 @pytest.mark.slow
 def test_real_gemma3_batch_chunked_prefix_cached(real_gemma: tuple[LLM, Any, Any],
-                                                 real_gemma_path: Path) -> None:
-    """16 prompts (the long ones and continuations sharing their prefixes) in one batch,
-    prefilled in chunks of 128 tokens with prefix caching, twice: the same greedy tokens
-    as each prompt alone on the default engine (itself equal to transformers, above)."""
-    llm, _, tok = real_gemma
-    texts = REAL_PROMPTS + REAL_LONG + [
-        f"{REAL_LONG[i % 2]} Question {i}: what comes next?" for i in range(10)]
-    prompts = [tok(t).input_ids for t in texts]
+                                                 real_gemma_path: Path,
+                                                 real_alone: list[list[int]]) -> None:
+    """16 prompts in one batch, prefilled in chunks of 128 tokens with prefix caching, twice:
+    the eight above, and each of them continued by its own first 16 greedy tokens (so it
+    shares the whole prompt as a prefix). Each gives the tokens it gave alone (themselves
+    equal to transformers', above): a continuation the alone run's tokens after its 16."""
+    _, _, tok = real_gemma
+    base = [tok(t).input_ids for t in REAL_ALL]
+    prompts = base + [ids + alone[:16] for ids, alone in zip(base, real_alone, strict=True)]
     assert len(prompts) == 16
-    alone = [greedy(llm, [ids], 16)[0] for ids in prompts]
-    chunked = LLM(real_gemma_path, kv_cache_memory="512MiB", max_num_batched_tokens=128,
-                  enable_prefix_caching=True)
+    chunked = LLM(real_gemma_path, kv_cache_memory="512MiB", quantization="none",
+                  max_num_batched_tokens=128, enable_prefix_caching=True)
     for _ in range(2):
-        assert greedy(chunked, prompts, 16) == alone
+        got = greedy(chunked, prompts, REAL_NEW_TOKENS)
+        assert got[:8] == real_alone
+        assert [g[:REAL_NEW_TOKENS - 16] for g in got[8:]] == [a[16:] for a in real_alone]
     assert chunked.engine.kv.stats().prefix_hits > 0
