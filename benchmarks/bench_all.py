@@ -1,7 +1,7 @@
 """kvloop beside transformers and llama.cpp on the same model, in the same run, one table.
 
     python benchmarks/bench_all.py [--runs 3] [--concurrency 8 32 64] [--engines ...]
-                                   [--quick] [--write BENCHMARKS.md]
+                                   [--model FILE.gguf] [--quick] [--write BENCHMARKS.md]
 
 The parent process measures the machine (memory read bandwidth, matmul FLOP/s), writes one
 workload (token ids, shared by every engine), then runs each engine in its own worker process
@@ -21,7 +21,8 @@ Figures, per engine:
 - peak memory: the worker's peak resident set (VmHWM): interpreter, libraries, weights, KV cache,
   activations; once after the batch-1 figures and once at the end (after the concurrent runs).
 
-Engines: kvloop with fp32, int8 and int4 linear layers; transformers fp32 (`generate`; the
+Engines: kvloop with the file's weights as stored (its block formats, exactly), fp32, int8 and
+int4 linear layers; transformers fp32 (`generate`; the
 concurrent requests run as one left-padded static batch); llama.cpp through llama-cpp-python,
 computing on the GGUF weights as stored (Q4_1, Q8_0 embeddings), one sequence per request
 like llama-batched-bench. `--quick` shrinks every size for a smoke test.
@@ -50,11 +51,12 @@ sys.path.insert(0, str(HERE))
 # memory would include it. torch, kvloop and transformers are imported where they are used.
 
 ENGINES: dict[str, str] = {
+    "kvloop-gguf": "kvloop as-stored",
     "kvloop-fp32": "kvloop fp32",
     "kvloop-int8": "kvloop int8",
     "kvloop-int4": "kvloop int4",
     "transformers": "transformers fp32",
-    "llama.cpp": "llama.cpp Q4_1",
+    "llama.cpp": "llama.cpp as-stored",
 }
 KVLOOP = [e for e in ENGINES if e.startswith("kvloop")]
 PEERS = ["transformers", "llama.cpp"]
@@ -102,13 +104,13 @@ class Workload:
         return cls(**d)
 
 
-def build_workload(sizes: Sizes, threads: int) -> Workload:
-    """Prompts from the default model's tokenizer; salts keep every prompt distinct."""
+def build_workload(sizes: Sizes, threads: int, model: Path) -> Workload:
+    """Prompts from the model's tokenizer; salts keep every prompt distinct."""
     from bench_throughput import workload
     from common import prompt_ids
-    from kvloop.loading.loader import default_model_path, load_checkpoint
+    from kvloop.loading.loader import load_checkpoint
 
-    tok = load_checkpoint().tokenizer
+    tok = load_checkpoint(model).tokenizer
     n = sizes.runs + 1
 
     def concurrent(k: int, salt: int) -> list[list[int]]:
@@ -117,7 +119,7 @@ def build_workload(sizes: Sizes, threads: int) -> Workload:
         return [prompt_ids(tok, sizes.concurrent_prompt, salt * 1000 + i) for i in range(k)]
 
     return Workload(
-        sizes=sizes, model_path=str(default_model_path()), threads=threads,
+        sizes=sizes, model_path=str(model), threads=threads,
         decode=[prompt_ids(tok, sizes.decode_prompt, 100 + i) for i in range(n)],
         prefill=[prompt_ids(tok, sizes.prefill_tokens, 200 + i) for i in range(n)],
         warmup_concurrent=concurrent(2, 99),
@@ -149,10 +151,10 @@ class Engine(Protocol):
 class KvloopEngine:
     """kvloop's offline API, one LLM for every figure (continuous batching over paged KV)."""
 
-    def __init__(self, quantization: str, max_num_seqs: int) -> None:
+    def __init__(self, model_path: str, quantization: str, max_num_seqs: int) -> None:
         from kvloop import LLM
 
-        self.llm = LLM(quantization=quantization, max_num_seqs=max_num_seqs)
+        self.llm = LLM(model_path, quantization=quantization, max_num_seqs=max_num_seqs)
         self.last_run: dict[str, int] = {}  # engine steps and preemptions of the last run
 
     def _params(self, n: int) -> Any:
@@ -194,10 +196,10 @@ class KvloopEngine:
 class TransformersEngine:
     """Hugging Face transformers `generate`, fp32, the model loaded from the same GGUF."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_path: str) -> None:
         from bench_decode import HF
 
-        self.hf = HF()  # eos_token_id cleared: EOS ignored, as for kvloop
+        self.hf = HF(Path(model_path))  # eos_token_id cleared: EOS ignored, as for kvloop
 
     def decode(self, prompt: list[int], n: int) -> float:
         from common import timed
@@ -268,9 +270,10 @@ def make_engine(name: str, work: Workload) -> Engine:
     if torch.get_num_threads() != work.threads:  # only when needed (see LLMEngine)
         torch.set_num_threads(work.threads)
     if name == "transformers":
-        return TransformersEngine()
-    quant = {"kvloop-fp32": "none", "kvloop-int8": "int8", "kvloop-int4": "int4"}[name]
-    return KvloopEngine(quant, max(64, *work.sizes.concurrency))
+        return TransformersEngine(work.model_path)
+    quant = {"kvloop-gguf": "gguf", "kvloop-fp32": "none", "kvloop-int8": "int8",
+             "kvloop-int4": "int4"}[name]
+    return KvloopEngine(work.model_path, quant, max(64, *work.sizes.concurrency))
 
 
 def run_worker(name: str, work: Workload) -> dict[str, Any]:
@@ -331,6 +334,24 @@ def _fmt(v: float | None, spec: str) -> str:
     return "—" if v is None else format(v, spec)
 
 
+def model_title(work: Workload) -> str:
+    from kvloop.loading.loader import default_model_path
+
+    if Path(work.model_path) == default_model_path():
+        return "the default model (SmolLM2-135M-Instruct)"
+    return f"`{Path(work.model_path).stem}`"
+
+
+def tensor_types(path: str) -> str:
+    """The file's tensor types and counts ("Q5_0 x81, Q4_K x27, ...")."""
+    from collections import Counter
+
+    import gguf
+
+    counts = Counter(t.tensor_type.name for t in gguf.GGUFReader(path).tensors)
+    return ", ".join(f"{k} x{v}" for k, v in counts.most_common())
+
+
 def render(results: dict[str, dict[str, Any]], work: Workload, bandwidth: float, flops: float,
            command: str, elapsed: float, llamacpp_version: str | None) -> str:
     s = work.sizes
@@ -384,17 +405,18 @@ def render(results: dict[str, dict[str, Any]], work: Workload, bandwidth: float,
     from common import machine_line
 
     notes = [
-        "## kvloop, transformers and llama.cpp on the default model",
+        f"## kvloop, transformers and llama.cpp on {model_title(work)}",
         "",
         f"`{command}` on {machine_line()}; measured bandwidth {bandwidth / 1e9:.1f} GB/s "
         f"(reading a 512 MiB buffer), matmul {flops / 1e9:.1f} GFLOP/s (fp32 1024^3); "
         f"all figures measured in this run ({elapsed:.0f} s), each engine in its own process, "
         f"{work.threads} threads each.",
         "",
-        f"Model: SmolLM2-135M-Instruct, `{Path(work.model_path).name}`. kvloop and "
-        "transformers dequantize it (kvloop int8/int4 re-quantize the linear layers; int4 "
-        "keeps the file's Q4_1 codes); llama.cpp computes on the weights as stored (Q4_1, "
-        f"Q8_0 embedding/head), llama-cpp-python {llamacpp_version or 'not installed'}.",
+        f"Model file `{Path(work.model_path).name}` ({tensor_types(work.model_path)}). kvloop "
+        "as-stored computes on the file's blocks exactly (`--quantization gguf`, the default "
+        "for GGUF files); kvloop fp32 and transformers dequantize them; kvloop int8/int4 "
+        "re-quantize the linear layers (int4 keeps Q4_0/Q4_1 codes); llama.cpp computes on "
+        f"the weights as stored, llama-cpp-python {llamacpp_version or 'not installed'}.",
         f"Batch-1 decode: {s.decode_prompt}-token prompt, {s.decode_tokens} tokens, greedy, "
         f"EOS ignored, timed after the first token; prefill: a fresh {s.prefill_tokens}-token "
         f"prompt per run; median of {s.runs} run{'s' * (s.runs != 1)}. Concurrent: prompts "
@@ -439,6 +461,9 @@ def main() -> None:
                     help="prompt tokens of each concurrent request (default 64, as "
                          "llama-batched-bench; 0: spread over 64..512)")
     ap.add_argument("--engines", nargs="+", choices=list(ENGINES), default=list(ENGINES))
+    ap.add_argument("--model", type=Path, default=None,
+                    help="a GGUF file (default: the default model); its table gets its own "
+                         "section of --write")
     ap.add_argument("--quick", action="store_true",
                     help="tiny sizes for a smoke test (16 decode tokens, 64-token prefill, "
                          "2 concurrent requests, 8 new tokens, 1 run)")
@@ -467,7 +492,10 @@ def main() -> None:
         sizes = Sizes(runs=args.runs or 3, concurrency=conc or (8, 32, 64),
                       concurrent_prompt=args.concurrent_prompt)
     t0 = time.time()
-    work = build_workload(sizes, torch.get_num_threads())
+    from kvloop.loading.loader import default_model_path
+
+    model = args.model or default_model_path()
+    work = build_workload(sizes, torch.get_num_threads(), model)
     bandwidth, flops = measure_bandwidth(), measure_flops()
     print(f"[bench_all] bandwidth {bandwidth / 1e9:.1f} GB/s, {flops / 1e9:.1f} GFLOP/s",
           file=sys.stderr, flush=True)
@@ -486,7 +514,8 @@ def main() -> None:
     body = render(results, work, bandwidth, flops, command, time.time() - t0, llamacpp_version)
     from common import publish
 
-    publish(body, args.write, "bench-all")
+    section = "bench-all" if model == default_model_path() else f"bench-all-{model.stem}"
+    publish(body, args.write, section)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from common import machine_line, median_of, prompt_ids, publish, timed
 from kvloop import LLM, SamplingParams
-from kvloop.loading.loader import DEFAULT_MODEL_FILE, default_model_path
+from kvloop.loading.loader import default_model_path
 
 PREFILL_TOKENS = 512
 DECODE_TOKENS = 256
@@ -45,11 +45,12 @@ def kvloop_decode(llm: LLM, salt: int) -> float:
 
 
 class HF:
-    def __init__(self) -> None:
+    def __init__(self, path: Path | None = None) -> None:
+        """transformers on a GGUF file (default: the default model), dequantized to fp32."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        path = default_model_path()
-        kw = {"gguf_file": DEFAULT_MODEL_FILE}
+        path = Path(path) if path is not None else default_model_path()
+        kw = {"gguf_file": path.name}
         self.model = AutoModelForCausalLM.from_pretrained(
             str(path.parent), dtype=torch.float32, **kw).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kw)
