@@ -432,7 +432,8 @@ def real_gemma(real_gemma_path: Path) -> tuple[LLM, Any, Any]:
     d, name = real_gemma_path.parent, real_gemma_path.name
     hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-    return LLM(real_gemma_path, kv_cache_memory="512MiB"), hf, tok
+    # fp32 ("none"): transformers' dequantized weights, not the stored blocks.
+    return LLM(real_gemma_path, kv_cache_memory="512MiB", quantization="none"), hf, tok
 
 
 @pytest.mark.slow
@@ -472,7 +473,8 @@ def test_real_gemma3_batch_chunked_prefix_cached(real_gemma: tuple[LLM, Any, Any
     prompts = [tok(t).input_ids for t in texts]
     assert len(prompts) == 16
     alone = [greedy(llm, [ids], 16)[0] for ids in prompts]
-    chunked = LLM(real_gemma_path, kv_cache_memory="512MiB", max_num_batched_tokens=128,
+    chunked = LLM(real_gemma_path, kv_cache_memory="512MiB", quantization="none",
+                  max_num_batched_tokens=128,
                   enable_prefix_caching=True)
     for _ in range(2):
         assert greedy(chunked, prompts, 16) == alone
