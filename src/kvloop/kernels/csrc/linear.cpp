@@ -1,6 +1,6 @@
 // Linear layers, built for decode-sized batches (1..64 rows) and usable at any size:
-// y = x W^T with W in fp32, int8 (per-channel scale) or 4-bit (groups of 32, scale + min)
-// layout. See kvloop.h.
+// y = x W^T with W in fp32, int8 (per-channel scale), 4-bit (groups of 32, scale + min) or
+// int8 codes with group scales (GGUF's block formats as stored) layout. See kvloop.h.
 //
 // At decode the whole weight is streamed from memory once per step, so these kernels are
 // organised around the weight: each weight row is read once per (up to 64-row) chunk of
