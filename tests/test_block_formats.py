@@ -260,3 +260,41 @@ def test_cli_flag_defaults_to_auto() -> None:
     assert p.parse_args(["--quantization", "gguf"]).quantization == "gguf"
     with pytest.raises(SystemExit):
         p.parse_args(["--quantization", "q4_k"])
+
+
+def test_batched_bf16_copy_of_a_block_layer() -> None:
+    """The prefill path (set_batched): the exactly dequantized weights in bf16 through
+    oneDNN, as for the other quantized kinds."""
+    require_native_kernels()
+    from kvloop.kernels.linear import packed_bf16
+
+    for kind in (T.Q4_K, T.Q6_K, T.Q5_0):
+        lin = BlockLinear(decode(random_blocks(kind, 48, 512, 4, 0.01), kind, 48, 512))
+        k, w, K, sc, _ = lin.native_spec()
+        nl = native_linear(k, w, K, sc)
+        nl.set_batched(packed_bf16(lin.dequantize()), 16)
+        x = torch.randn(20, K)
+        ref = linear_reference(x, k, w, K, sc, bf16=True)
+        torch.testing.assert_close(nl.forward(x), ref, rtol=0,
+                                   atol=1e-2 * float(ref.abs().max()))
+
+
+def test_layers_without_an_exact_stored_layout_stay_fp32(default_gguf: Path) -> None:
+    from kvloop.models import create_model
+    from kvloop.models.quantize import quantize_model
+
+    ckpt = load_checkpoint(default_gguf)
+    model = create_model(ckpt.config)
+    model.load_weights(ckpt.weights())
+    source = ckpt.block_weights()
+    del source["model.layers.0.self_attn.k_proj.weight"]  # a part stored dense: no layout
+    w = source["model.layers.1.mlp.down_proj.weight"]  # blocks that are not the weights
+    source["model.layers.1.mlp.down_proj.weight"] = GroupWeights(
+        w.codes, w.scales * 2, w.mins, w.group, w.bits)
+    quantize_model(model, "gguf", block_source=source)
+    layers = cast(Any, model.layers)
+    assert isinstance(layers[0].self_attn.qkv_proj, Linear)
+    assert isinstance(layers[1].mlp.down_proj, Linear)
+    assert isinstance(layers[0].mlp.down_proj, BlockLinear)
+    assert isinstance(layers[1].self_attn.qkv_proj, BlockLinear)
+    assert isinstance(model.lm_head, BlockLinear)
