@@ -103,8 +103,11 @@ def use_stored_blocks(model: CausalLM, source: dict[str, GroupWeights]) -> None:
     for i, layer in enumerate(model.layers):
         for fused, parts in _SOURCES.items():
             owner_name, attr = fused.split(".")
-            swap(cast(nn.Module, getattr(layer, owner_name)), attr,
-                 [f"model.layers.{i}.{p}.weight" for p in parts])
+            # A checkpoint that stores the fused tensor itself (Phi-3) names it so.
+            whole = f"model.layers.{i}.{fused}.weight"
+            names = [whole] if whole in source else [f"model.layers.{i}.{p}.weight"
+                                                     for p in parts]
+            swap(cast(nn.Module, getattr(layer, owner_name)), attr, names)
     head = ("lm_head.weight" if "lm_head.weight" in source or not model.config.tie_word_embeddings
             else "model.embed_tokens.weight")
     swap(cast(nn.Module, model), "lm_head", [head], is_head=True)
