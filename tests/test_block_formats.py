@@ -298,3 +298,37 @@ def test_layers_without_an_exact_stored_layout_stay_fp32(default_gguf: Path) -> 
     assert isinstance(layers[0].mlp.down_proj, BlockLinear)
     assert isinstance(layers[1].self_attn.qkv_proj, BlockLinear)
     assert isinstance(model.lm_head, BlockLinear)
+
+
+def test_fused_checkpoint_tensors_are_taken_whole(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Phi-3 stores q/k/v and gate/up fused (attn_qkv, ffn_up): its Q8_0 blocks of those
+    are the fused layers' as they are, and compute what the fp32 reference does (to the
+    int8 activation rounding)."""
+    from conftest import write_tiny_phi3
+    from test_families import convert_to_gguf
+
+    add = gguf.GGUFWriter.add_tensor
+
+    def add_q8(self: Any, name: str, t: np.ndarray, **kw: Any) -> None:
+        # The converter's fp32 matrices stored as Q8_0 blocks, as a quantized file has them.
+        if name.startswith("blk.") and t.ndim == 2 and kw.get("raw_dtype") is None:
+            kw["raw_dtype"] = T.Q8_0
+            t = gguf.quants.quantize(t.astype(np.float32), T.Q8_0)
+        add(self, name, t, **kw)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_q8)
+    path = convert_to_gguf(write_tiny_phi3(tmp_path / "phi3"), tmp_path / "p.gguf", "phi3")
+    monkeypatch.undo()
+    stored = LLM(path, kv_cache_memory="16MiB")
+    assert stored.engine.config.quantization == "gguf"
+    layer = cast(Any, stored.engine.model.layers[0])
+    assert isinstance(layer.self_attn.qkv_proj, BlockLinear)
+    assert isinstance(layer.mlp.gate_up_proj, BlockLinear)
+    fp32 = LLM(path, kv_cache_memory="16MiB", quantization="none", pack_weights=False)
+    assert isinstance(cast(Any, fp32.engine.model.layers[0]).self_attn.qkv_proj, Linear)
+    assert layer.self_attn.qkv_proj.equals(
+        cast(Any, fp32.engine.model.layers[0]).self_attn.qkv_proj.weight.detach())
+    ids = [5, 17, 42, 7, 99, 3]
+    ours, ref = last_logits(stored, ids), last_logits(fp32, ids)
+    assert float((ours - ref).abs().max() / ref.abs().max()) < 0.05
