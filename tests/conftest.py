@@ -44,9 +44,11 @@ def hf_default(default_gguf: Path):
 
 @pytest.fixture(scope="session")
 def kv_default():
+    """The default model in fp32 (quantization "none": what transformers computes), not its
+    stored Q4_1 blocks, which LLM() runs by default."""
     from kvloop import LLM
 
-    return LLM()
+    return LLM(quantization="none")
 
 
 def _train_tokenizer(path: Path, vocab_size: int) -> None:

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from conftest import require_native_kernels
 from kvloop.kernels import build
 from kvloop.kernels import paged_attention as pa
-from kvloop.kernels.linear import F32, Q4, Q8, linear_reference, pack_q4
+from kvloop.kernels.linear import F32, Q4, Q4F, Q8, Q8B, linear_reference, pack_q4, pack_q4f
 
 ATOL = 1e-5
 RTOL = 1e-4
@@ -284,8 +284,16 @@ def test_other_isa_builds_match(kernel: None, isa: str) -> None:
     m4 = (torch.randn(N, K // 32, generator=g) / 10).half().float()
     q8 = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
     s8 = torch.rand(N, generator=g) / 100
+    # The block layouts of GGUF's formats as stored (kvloop.quant.layout): 4-bit with fp32
+    # scale and min (Q4_K), 8-bit codes with fp16 / fp32 scales per 32 or 16, with mins.
+    s32 = torch.rand(N, K // 32, generator=g) / 10
+    s16 = torch.rand(N, K // 16, generator=g) / 10
+    sm = torch.stack([s32, torch.randn(N, K // 32, generator=g) / 10], dim=1)
     kinds = [(F32, torch.randn(N, K, generator=g), None, False), (Q8, q8, s8, False),
-             (Q8, q8, s8, True), (Q4, pack_q4(codes, s4, m4), None, False)]
+             (Q8, q8, s8, True), (Q4, pack_q4(codes, s4, m4), None, False),
+             (Q4F, pack_q4f(codes, s32, m4 * 1.1), None, False)]
+    for sc in (s32.half(), s32, s16.half(), s16, sm, sm.half()):
+        kinds += [(Q8B, q8, sc, False), (Q8B, q8, sc, True)]
     for kind, w, sc, fa in kinds:
         lin = mod.QLinear(kind, w, K, sc, None, fa)
         for M in (1, 6, 37):

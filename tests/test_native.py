@@ -369,7 +369,20 @@ def test_bad_linear_inputs_raise() -> None:
     q4, _ = make_weight(Q4, N, K, _gen(0))
     scales = torch.ones(N)
     with pytest.raises(RuntimeError, match="weight kind"):
-        native_linear(3, f32, K)
+        native_linear(5, f32, K)
+    # The block layouts (kinds 3, 4): malformed group scales are refused by name.
+    with pytest.raises(RuntimeError, match=r"int4 \(fp32 scales\) weight must be"):
+        native_linear(3, q4, K)  # a Q4 (20-byte group) row is not a Q4F (24-byte) one
+    with pytest.raises(RuntimeError, match="need scales"):
+        native_linear(4, i8, K)
+    with pytest.raises(RuntimeError, match="fp32 or fp16"):
+        native_linear(4, i8, K, torch.ones(N, K // 32, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match=r"\[N, K / 16\] or \[N, K / 32\]"):
+        native_linear(4, i8, K, torch.ones(N, K // 8))
+    with pytest.raises(RuntimeError, match=r"\[N, 2, K / 32\]"):
+        native_linear(4, i8, K, torch.ones(N, 2, K // 16))
+    with pytest.raises(RuntimeError, match="float activations"):
+        native_linear(3, q4, K, float_acts=True)
     # Wrong dtype for the kind.
     with pytest.raises(RuntimeError, match="int8 weight must be"):
         native_linear(Q8, f32, K, scales)

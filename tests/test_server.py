@@ -141,7 +141,9 @@ def keyed_server(tiny_model_dir: Path) -> Iterator[BackgroundServer]:
 # --- the openai client on the default model: greedy equals LLM.generate ------------------------
 @pytest.fixture(scope="module")
 def default_server() -> Iterator[BackgroundServer]:
-    with serve(LLMEngine(None, EngineConfig(kv_cache_memory="256MiB"))) as server:
+    # fp32, as kv_default (which the greedy test compares with).
+    with serve(LLMEngine(None, EngineConfig(kv_cache_memory="256MiB",
+                                            quantization="none"))) as server:
         yield server
 
 

@@ -70,7 +70,8 @@ NO_SPEC = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True,
                          speculative=False)
 
 # The default model's config, read once (the engines below share the loaded checkpoint).
-_BASE = dict(block_size=16, max_model_len=1024)
+# fp32 ("none"): the identity tests were written against the fp32 model.
+_BASE = dict(block_size=16, max_model_len=1024, quantization="none")
 
 
 @pytest.fixture(scope="module")

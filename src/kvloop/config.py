@@ -112,7 +112,7 @@ def parse_size(text: str | int, param: str | None = None) -> int:
 
 # The weight-only quantization modes; kept equal to kvloop.quant.QUANTIZATIONS (a test checks)
 # because config sits below quant in the layers and must not import it.
-QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 # None (off), prompt lookup, or a draft model: this model with int4/int8 weights ("self:"),
 # or "draft:PATH", another model file sharing this one's tokenizer.
 SPECULATIVE_METHODS = (None, "ngram", "self:int4", "self:int8")
@@ -153,8 +153,12 @@ class EngineConfig:
     pack_weights: bool = True
     # Native C++ kernels (paged attention), built at first use; False: PyTorch only.
     use_kernels: bool = True
-    # Weight-only quantization of the linear layers: "none" (fp32), "int8" or "int4".
-    quantization: str = "none"
+    # Weight-only quantization of the linear layers: "gguf" (a GGUF file's blocks as stored,
+    # computed exactly: the weights equal the fp32 dequantization), "none" (fp32, the
+    # reference), "int8" or "int4" (re-quantized from fp32; int4 keeps Q4_0/Q4_1 codes).
+    # "auto" (the default) is "gguf" for a GGUF file with quantized linear tensors and
+    # "none" otherwise; the engine replaces it with what it resolved to.
+    quantization: str = "auto"
     # Speculative decoding: None (off); "ngram" (prompt lookup: drafts copied from the
     # sequence's own earlier tokens); "self:int4" / "self:int8" (this model with quantized
     # weights drafts); "draft:PATH" (a smaller model with the same tokenizer drafts). The

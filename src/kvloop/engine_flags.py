@@ -17,8 +17,13 @@ from kvloop.errors import InvalidParamsError
 def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2)")
-    g.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
-                   help="weight-only quantization of the linear layers (default: fp32)")
+    g.add_argument("--quantization", default="auto",
+                   choices=["auto", "gguf", "none", "int8", "int4"],
+                   help="weights of the linear layers: 'gguf' computes a GGUF file's "
+                        "quantized blocks as stored (exactly the weights they encode); "
+                        "'none' dequantizes to fp32 (the reference); 'int8' / 'int4' "
+                        "re-quantize. Default 'auto': 'gguf' for a quantized GGUF file, "
+                        "else 'none'")
     g.add_argument("--kv-cache-memory", default="2GiB",
                    help="memory for all K and V blocks (default 2GiB)")
     g.add_argument("--threads", type=int, default=None)

@@ -105,13 +105,23 @@ class _SpecState:
         return self.k
 
 
+def resolve_quantization(quantization: str, checkpoint: Checkpoint) -> str:
+    """"auto": the checkpoint's blocks as stored ("gguf") for a GGUF file with quantized
+    linear tensors, fp32 ("none") otherwise; any other mode as it is."""
+    if quantization != "auto":
+        return quantization
+    return "gguf" if checkpoint.quantized_linears else "none"
+
+
 def load_model(checkpoint: Checkpoint, pack: bool = True, quantization: str = "none",
                keep_dense: bool = False) -> CausalLM:
     model = create_model(checkpoint.config)
     model.load_weights(checkpoint.weights())
+    quantization = resolve_quantization(quantization, checkpoint)
     if quantization != "none":
-        source = checkpoint.int4_weights() if quantization == "int4" else None
-        quantize_model(model, quantization, source)
+        int4 = checkpoint.int4_weights() if quantization == "int4" else None
+        blocks = checkpoint.block_weights() if quantization == "gguf" else None
+        quantize_model(model, quantization, int4, blocks)
     if pack:
         model.pack_weights(keep_dense)  # whatever stayed fp32
     model.eval()
@@ -137,6 +147,9 @@ class LLMEngine:
         if self.config.quantization not in QUANTIZATIONS:
             raise InvalidParamsError(f"quantization must be one of {QUANTIZATIONS}, got "
                                      f"{self.config.quantization!r}")
+        # "auto" becomes what this checkpoint runs with, so that stats and drafts see it.
+        self.config = replace(self.config, quantization=resolve_quantization(
+            self.config.quantization, self.checkpoint))
         # The native decode step reads fp32 weights densely: keep them beside oneDNN's copy.
         native = self.config.use_kernels and self.config.use_cache and kernels.available()
         self.model = load_model(self.checkpoint, self.config.pack_weights,

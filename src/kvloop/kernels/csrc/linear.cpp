@@ -1,6 +1,6 @@
 // Linear layers, built for decode-sized batches (1..64 rows) and usable at any size:
-// y = x W^T with W in fp32, int8 (per-channel scale) or 4-bit (groups of 32, scale + min)
-// layout. See kvloop.h.
+// y = x W^T with W in fp32, int8 (per-channel scale), 4-bit (groups of 32, scale + min) or
+// int8 codes with group scales (GGUF's block formats as stored) layout. See kvloop.h.
 //
 // At decode the whole weight is streamed from memory once per step, so these kernels are
 // organised around the weight: each weight row is read once per (up to 64-row) chunk of
@@ -45,6 +45,7 @@ constexpr int kTileRows = 4, kTileCols = 5;  // 32 vector registers: 20 accumula
 constexpr int kTileRows = 4, kTileCols = 3;
 #endif
 constexpr int64_t kQ4Block = 20;  // bytes per group: fp16 scale, fp16 min, 16 bytes of codes
+constexpr int64_t kQ4FBlock = 24;  // Q4F: fp32 scale, fp32 min, 16 bytes of codes
 
 #if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define KVLOOP_VNNI 1
@@ -193,12 +194,37 @@ inline float half_to_float(uint16_t h) {
 #endif
 }
 
-template <int C>
+// One group's scale or min of a row's table: fp32 (F32S) or fp16.
+template <bool F32S>
+inline float scale_at(const uint8_t* table, int64_t i) {
+  if constexpr (F32S) {
+    float v;
+    std::memcpy(&v, table + 4 * i, 4);
+    return v;
+  } else {
+    uint16_t h;
+    std::memcpy(&h, table + 2 * i, 2);
+    return half_to_float(h);
+  }
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+template <bool F32S>
+inline __m256 scales8(const uint8_t* table, int64_t i) {  // 8 scales from group i on
+  if constexpr (F32S) return _mm256_loadu_ps(reinterpret_cast<const float*>(table) + i);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table + 2 * i)));
+}
+#endif
+
+// Q4 (F32S false) and Q4F (true).
+template <int C, bool F32S>
 void row_q4(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, int64_t m0,
             float* Y) {
   const int64_t K = A.K, nb = K / kGroup;
-  const uint8_t* w = W + n * nb * kQ4Block;  // [nb fp16 scales][nb fp16 mins][nb x 16 codes]
-  const uint8_t* codes = w + nb * 4;
+  constexpr int64_t kS = F32S ? 4 : 2;  // bytes per scale
+  const uint8_t* w = W + n * nb * (2 * kS + kGroup / 2);  // [nb scales][nb mins][nb x 16 codes]
+  const uint8_t* mins = w + nb * kS;
+  const uint8_t* codes = w + nb * 2 * kS;
   // Per-group factors of this row, hoisted out of the inner loop: scale * activation
   // scale for each activation row, and the whole zero-point term sum(min * d * sum(q)).
   float sx[C][kMaxGroups], out[C];
@@ -209,10 +235,8 @@ void row_q4(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, int6
     __m256 zp[C];
     for (int c = 0; c < C; ++c) zp[c] = _mm256_setzero_ps();
     for (; b0 + 8 <= nb; b0 += 8) {
-      const __m256 sw =
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * b0)));
-      const __m256 mw = _mm256_cvtph_ps(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 2 * (nb + b0))));
+      const __m256 sw = scales8<F32S>(w, b0);
+      const __m256 mw = scales8<F32S>(mins, b0);
       for (int c = 0; c < C; ++c) {
         const int64_t o = (m0 + c) * nb + b0;
         _mm256_storeu_ps(&sx[c][b0], _mm256_mul_ps(sw, _mm256_loadu_ps(A.d.data() + o)));
@@ -223,10 +247,7 @@ void row_q4(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, int6
   }
 #endif
   for (int64_t b = b0; b < nb; ++b) {
-    uint16_t hs, hm;
-    std::memcpy(&hs, w + 2 * b, 2);
-    std::memcpy(&hm, w + 2 * (nb + b), 2);
-    const float sw = half_to_float(hs), mw = half_to_float(hm);
+    const float sw = scale_at<F32S>(w, b), mw = scale_at<F32S>(mins, b);
     for (int c = 0; c < C; ++c) {
       sx[c][b] = sw * A.d[(m0 + c) * nb + b];
       out[c] += mw * A.s[(m0 + c) * nb + b];
@@ -291,6 +312,140 @@ void row_q4(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, int6
     }
 #endif
   for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c];
+}
+
+// Q8B: int8 codes with a scale per group of G (16 or 32) and, with MIN, a min per 32;
+// scales fp32 (F32S) or fp16. The integer dot product of a 32-byte block leaves the sums
+// of its first 16 bytes in lanes 0-3 and of its last 16 in lanes 4-7, so a group of 16
+// costs nothing more than one of 32: the two halves are scaled by one vector holding
+// each half's factor.
+template <int C, bool F32S, int G, bool MIN>
+void row_q8b(const int8_t* W, const uint8_t* S, const QuantizedActs& A, int64_t N, int64_t n,
+             int64_t m0, float* Y) {
+  const int64_t K = A.K, nb = K / kGroup, ng = K / G;
+  constexpr int64_t kS = F32S ? 4 : 2;
+  const int8_t* w = W + n * K;
+  const uint8_t* sc = S + n * ng * kS * (MIN ? 2 : 1);  // the row's scales (then mins)
+  // Per half block (16 weights): weight scale x activation scale; the min term whole.
+  float sx[C][2 * kMaxGroups], out[C];
+  for (int c = 0; c < C; ++c) out[c] = 0.f;
+  for (int64_t b = 0; b < nb; ++b) {
+    const float s0 = scale_at<F32S>(sc, G == 16 ? 2 * b : b);
+    const float s1 = G == 16 ? scale_at<F32S>(sc, 2 * b + 1) : s0;
+    for (int c = 0; c < C; ++c) {
+      const float d = A.d[(m0 + c) * nb + b];
+      sx[c][2 * b] = s0 * d;
+      sx[c][2 * b + 1] = s1 * d;
+    }
+    if constexpr (MIN) {
+      const float mn = scale_at<F32S>(sc + ng * kS, b);
+      for (int c = 0; c < C; ++c) out[c] += mn * A.s[(m0 + c) * nb + b];
+    }
+  }
+#ifdef __AVX2__
+  __m256 acc0[C], acc1[C];
+  for (int c = 0; c < C; ++c) acc0[c] = acc1[c] = _mm256_setzero_ps();
+  auto block = [&](int64_t b, __m256* acc) {
+    const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kGroup));
+    const __m256i wa = _mm256_sign_epi8(wv, wv);  // |w| as u8 (-128 -> 128)
+    for (int c = 0; c < C; ++c) {
+      const __m256i xv = _mm256_sign_epi8(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(A.q.data() + (m0 + c) * K +
+                                                              b * kGroup)), wv);
+#ifdef KVLOOP_VNNI
+      const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), wa, xv);
+#else
+      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xv), _mm256_set1_epi16(1));
+#endif
+      const __m256 f = _mm256_set_m128(_mm_set1_ps(sx[c][2 * b + 1]), _mm_set1_ps(sx[c][2 * b]));
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), f, acc[c]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    block(b, acc0);
+    block(b + 1, acc1);
+  }
+  if (b < nb) block(b, acc0);
+  for (int c = 0; c < C; ++c) out[c] += hsum(_mm256_add_ps(acc0[c], acc1[c]));
+#else
+  for (int c = 0; c < C; ++c)
+    for (int64_t h = 0; h < 2 * nb; ++h) {
+      const int8_t* x = A.q.data() + (m0 + c) * K + h * 16;
+      int32_t dot = 0;
+      for (int64_t j = 0; j < 16; ++j) dot += int32_t(w[h * 16 + j]) * int32_t(x[j]);
+      out[c] += float(dot) * sx[c][h];
+    }
+#endif
+  for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c];
+}
+
+// Q8B against fp32 activations (the output head): each 8 weights rebuilt in fp32 (scale *
+// code + min: exact, see kvloop.quant.layout) and multiplied into the activations.
+template <int C, bool F32S, int G, bool MIN>
+void row_q8b_float(const int8_t* W, const uint8_t* S, const float* X, int64_t K, int64_t N,
+                   int64_t n, int64_t m0, float* Y) {
+  const int64_t ng = K / G;
+  constexpr int64_t kS = F32S ? 4 : 2;
+  const int8_t* w = W + n * K;
+  const uint8_t* sc = S + n * ng * kS * (MIN ? 2 : 1);
+  float out[C];
+#ifdef __AVX2__
+  __m256 acc[C][2];
+  for (int c = 0; c < C; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
+  for (int64_t h = 0; h < K / 16; ++h) {
+    const int64_t g = h * 16 / G, k = h * 16;
+    const __m256 s = _mm256_set1_ps(scale_at<F32S>(sc, g));
+    const __m256 m = _mm256_set1_ps(MIN ? scale_at<F32S>(sc + ng * kS, g) : 0.f);
+    const __m256 w0 = _mm256_fmadd_ps(load8(w + k), s, m);
+    const __m256 w1 = _mm256_fmadd_ps(load8(w + k + 8), s, m);
+    for (int c = 0; c < C; ++c) {
+      acc[c][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(X + (m0 + c) * K + k), acc[c][0]);
+      acc[c][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(X + (m0 + c) * K + k + 8), acc[c][1]);
+    }
+  }
+  for (int c = 0; c < C; ++c) out[c] = hsum(_mm256_add_ps(acc[c][0], acc[c][1]));
+#else
+  for (int c = 0; c < C; ++c) out[c] = 0.f;
+  for (int64_t k = 0; k < K; ++k) {
+    const float s = scale_at<F32S>(sc, k / G);
+    const float m = MIN ? scale_at<F32S>(sc + ng * kS, k / G) : 0.f;
+    const float wk = std::fma(static_cast<float>(w[k]), s, m);
+    for (int c = 0; c < C; ++c) out[c] += wk * X[(m0 + c) * K + k];
+  }
+#endif
+  for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c];
+}
+
+template <int C, bool F32S, int G, bool MIN>
+void rows_q8b(const QLinear& L, const float* x, const QuantizedActs* A, int64_t m0, int64_t m1,
+              int64_t n, float* y) {
+  const int64_t N = L.out_features, K = L.in_features;
+  const int8_t* W = L.weight.data_ptr<int8_t>();
+  const auto* S = static_cast<const uint8_t*>(L.scales.data_ptr());
+  int64_t m = m0;
+  if (L.float_acts) {
+    for (; m + C <= m1; m += C) row_q8b_float<C, F32S, G, MIN>(W, S, x, K, N, n, m, y);
+    for (; m < m1; ++m) row_q8b_float<1, F32S, G, MIN>(W, S, x, K, N, n, m, y);
+  } else {
+    for (; m + C <= m1; m += C) row_q8b<C, F32S, G, MIN>(W, S, *A, N, n, m, y);
+    for (; m < m1; ++m) row_q8b<1, F32S, G, MIN>(W, S, *A, N, n, m, y);
+  }
+}
+
+template <int C>
+void rows_q8b_any(const QLinear& L, const float* x, const QuantizedActs* A, int64_t m0,
+                  int64_t m1, int64_t n, float* y) {
+  if (L.has_min) {
+    if (L.f32_scales) rows_q8b<C, true, 32, true>(L, x, A, m0, m1, n, y);
+    else rows_q8b<C, false, 32, true>(L, x, A, m0, m1, n, y);
+  } else if (L.group == 16) {
+    if (L.f32_scales) rows_q8b<C, true, 16, false>(L, x, A, m0, m1, n, y);
+    else rows_q8b<C, false, 16, false>(L, x, A, m0, m1, n, y);
+  } else {
+    if (L.f32_scales) rows_q8b<C, true, 32, false>(L, x, A, m0, m1, n, y);
+    else rows_q8b<C, false, 32, false>(L, x, A, m0, m1, n, y);
+  }
 }
 
 // ---- batched, fp32 activations: a tile of R weight rows x C activation rows ----
@@ -380,10 +535,19 @@ void row_all(const QLinear& L, const float* x, const QuantizedActs* A, int64_t m
     }
     case WeightKind::Q4: {
       const uint8_t* W = L.weight.data_ptr<uint8_t>();
-      for (; m + C <= m1; m += C) row_q4<C>(W, *A, N, n, m, y);
-      for (; m < m1; ++m) row_q4<1>(W, *A, N, n, m, y);
+      for (; m + C <= m1; m += C) row_q4<C, false>(W, *A, N, n, m, y);
+      for (; m < m1; ++m) row_q4<1, false>(W, *A, N, n, m, y);
       break;
     }
+    case WeightKind::Q4F: {
+      const uint8_t* W = L.weight.data_ptr<uint8_t>();
+      for (; m + C <= m1; m += C) row_q4<C, true>(W, *A, N, n, m, y);
+      for (; m < m1; ++m) row_q4<1, true>(W, *A, N, n, m, y);
+      break;
+    }
+    case WeightKind::Q8B:
+      rows_q8b_any<C>(L, x, A, m0, m1, n, y);
+      break;
   }
 }
 
@@ -402,11 +566,15 @@ QLinear::QLinear(int64_t kind_, at::Tensor weight_, int64_t in_features_,
                  bool float_acts_)
     : kind(static_cast<WeightKind>(kind_)), float_acts(float_acts_), weight(std::move(weight_)),
       bias(std::move(bias_)) {
-  TORCH_CHECK(kind_ >= 0 && kind_ <= 2, "weight kind must be 0 (fp32), 1 (int8) or 2 (int4)");
-  TORCH_CHECK(!float_acts_ || kind_ == 1, "float activations are an int8-weight option");
+  TORCH_CHECK(kind_ >= 0 && kind_ <= 4,
+              "weight kind must be 0 (fp32), 1 (int8), 2 (int4), 3 (int4, fp32 scales) or "
+              "4 (int8 codes, group scales)");
+  TORCH_CHECK(!float_acts_ || kind_ == 1 || kind_ == 4,
+              "float activations are an int8-weight option");
   TORCH_CHECK(weight.dim() == 2, "weight must be 2-D");
   out_features = weight.size(0);
-  in_features = kind == WeightKind::Q4 ? in_features_ : weight.size(1);
+  const bool packed4 = kind == WeightKind::Q4 || kind == WeightKind::Q4F;
+  in_features = packed4 ? in_features_ : weight.size(1);
   const int64_t N = out_features, K = in_features;
   switch (kind) {
     case WeightKind::F32:
@@ -427,6 +595,34 @@ QLinear::QLinear(int64_t kind_, at::Tensor weight_, int64_t in_features_,
       TORCH_CHECK(in_features_ / kGroup <= kMaxGroups, "int4 in_features too large");
       check_2d(weight, at::kByte, N, K / kGroup * kQ4Block, "int4 weight");
       break;
+    case WeightKind::Q4F:
+      TORCH_CHECK(in_features_ % kGroup == 0, "int4 weights need in_features divisible by 32");
+      TORCH_CHECK(in_features_ / kGroup <= kMaxGroups, "int4 in_features too large");
+      check_2d(weight, at::kByte, N, K / kGroup * kQ4FBlock, "int4 (fp32 scales) weight");
+      break;
+    case WeightKind::Q8B: {
+      TORCH_CHECK(in_features_ == K, "in_features != the weight's columns");
+      check_2d(weight, at::kChar, N, K, "int8 weight");
+      TORCH_CHECK(K % kGroup == 0 && K / kGroup <= kMaxGroups,
+                  "int8 group weights need in_features divisible by 32 (at most 65536)");
+      TORCH_CHECK(scales_.has_value(), "int8 group weights need scales");
+      scales = scales_->contiguous();
+      const auto st = scales.scalar_type();
+      TORCH_CHECK(st == at::kFloat || st == at::kHalf, "group scales must be fp32 or fp16");
+      f32_scales = st == at::kFloat;
+      has_min = scales.dim() == 3;
+      if (has_min) {
+        TORCH_CHECK(scales.size(0) == N && scales.size(1) == 2 && scales.size(2) == K / kGroup,
+                    "group scales with mins must be [N, 2, K / 32]");
+        group = kGroup;
+      } else {
+        TORCH_CHECK(scales.dim() == 2 && scales.size(0) == N &&
+                        (scales.size(1) == K / 16 || scales.size(1) == K / kGroup),
+                    "group scales must be [N, K / 16] or [N, K / 32]");
+        group = K / scales.size(1);
+      }
+      break;
+    }
   }
   if (bias.has_value()) {
     *bias = bias->contiguous();
@@ -437,7 +633,7 @@ QLinear::QLinear(int64_t kind_, at::Tensor weight_, int64_t in_features_,
 
 int64_t QLinear::weight_bytes() const {  // what a decode step (< batched_min_rows) reads
   int64_t n = weight.numel() * weight.element_size();
-  if (scales.defined()) n += scales.numel() * 4;
+  if (scales.defined()) n += scales.numel() * scales.element_size();
   if (bias.has_value()) n += bias->numel() * 4;
   return n;
 }
@@ -446,14 +642,16 @@ void QLinear::run(const float* x, const QuantizedActs* acts, int64_t M, float* y
   const int64_t N = out_features;
   TORCH_CHECK(!quantized() || (acts != nullptr && acts->M == M && acts->K == in_features),
               "quantized weights need activations quantized for them");
-  TORCH_CHECK(kind != WeightKind::Q4 || static_cast<int64_t>(acts->qp.size()) == M * in_features,
+  TORCH_CHECK(!quantized() || !paired() ||
+                  static_cast<int64_t>(acts->qp.size()) == M * in_features,
               "4-bit weights need the activations in pair order (pair_acts)");
   // Activation rows in chunks that stay in L2 while the weights stream past them once
   // per chunk (prefill-sized M); within a chunk each thread takes one contiguous share of
   // the output rows (sequential weight reads).
   for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
     const int64_t m1 = std::min(M, m0 + kChunkRows);
-    const bool tiled = !quantized() && m1 - m0 >= kTileMinRows;
+    const bool tiled = (kind == WeightKind::F32 || kind == WeightKind::Q8) && !quantized() &&
+                       m1 - m0 >= kTileMinRows;
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       int64_t n = n0;
       if (tiled) {
@@ -541,7 +739,7 @@ void QLinear::apply(const float* x, int64_t M, QuantizedActs& acts, float* y) co
     run_batched(x, M, acts, y);
   } else if (quantized()) {
     quantize_acts(x, M, in_features, acts);
-    if (kind == WeightKind::Q4) pair_acts(acts);
+    if (paired()) pair_acts(acts);
     run(nullptr, &acts, M, y);
   } else {
     run(x, nullptr, M, y);

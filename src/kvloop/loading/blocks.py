@@ -1,0 +1,113 @@
+"""GGUF block formats as stored -> kvloop.quant.layout.GroupWeights, without
+re-quantization: each block's integer codes, and a scale (and min) per group computed
+exactly as the `gguf` package's dequantization computes them, so that scale * code + min
+in fp32 equals its weights bit for bit (tests/test_block_formats.py holds them to it).
+
+Per format (w as gguf.quants computes it; why scale * code is exact in fp32):
+  Q8_0  32 weights: d (fp16), 32 int8 q            w = d * q               11 + 8 bits
+  Q5_0  32: d, 4 bytes high bits, 16 bytes nibbles   w = d * (q - 16)        11 + 5
+  Q5_1  32: d, m, high bits, nibbles                 w = d * q + m           11 + 5
+  Q4_0  32: d, nibbles                               w = d * (q - 8)  = d q + (-8 d), the
+        sum exact as the result is (11 + 4 bits)
+  Q4_1  32: d, m, nibbles                            w = d * q + m
+  Q4_K  256: d, dmin, 12 bytes of 6-bit sc/m for 8 sub-blocks of 32, 128 bytes nibbles
+        w = (d * sc) * q - dmin * m: scale d * sc (17 bits), code q (4): 21 bits; min
+        -(dmin * m) exact; one rounding in the sum, as in gguf's
+  Q5_K  as Q4_K with a fifth bit per weight (32 bytes): 22 bits
+  Q6_K  256: 128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 sc, d: 16 sub-blocks
+        of 16, w = (d * sc) * (q - 32): 18 + 5 bits
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import torch
+
+from kvloop.quant.layout import GroupWeights
+
+T = gguf.GGMLQuantizationType
+BLOCK_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:  # [n, 2] uint8 -> [n] fp32
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)[:, 0]
+
+
+def _lo_hi(qs: np.ndarray, width: int) -> np.ndarray:
+    """[n, chunks * width] bytes -> [n, chunks * 2 * width]: each chunk's low nibbles, then
+    its high ones."""
+    n = qs.shape[0]
+    q = qs.reshape(n, -1, 1, width)
+    return np.concatenate([q & 0x0F, q >> 4], axis=2).reshape(n, -1)
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """12 bytes of a Q4_K / Q5_K super-block -> 8 six-bit scales and 8 mins."""
+    a, b, c = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 6) << 4)], axis=1)
+    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 6) << 4)], axis=1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def decode(raw: np.ndarray, kind: gguf.GGMLQuantizationType, rows: int,
+           cols: int) -> GroupWeights:
+    """A tensor's stored bytes (rows of whole blocks) -> its codes and group scales."""
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    b = np.asarray(raw, dtype=np.uint8).reshape(rows * cols // block, size)
+    n = b.shape[0]
+    mins: np.ndarray | None = None
+    codes: np.ndarray
+    qh: np.ndarray
+    high: np.ndarray
+    bits, group = 8, 32
+    if kind in (T.Q4_0, T.Q4_1):
+        head = 2 if kind == T.Q4_0 else 4
+        d = _f16(b[:, 0:2])
+        codes = _lo_hi(b[:, head:], 16)
+        mins = -8.0 * d if kind == T.Q4_0 else _f16(b[:, 2:4])
+        scales, bits = d, 4
+    elif kind in (T.Q5_0, T.Q5_1):
+        head = 2 if kind == T.Q5_0 else 4
+        d = _f16(b[:, 0:2])
+        qh = np.ascontiguousarray(b[:, head : head + 4]).view(np.uint32)  # [n, 1], LE
+        high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [n, 32]
+        q = _lo_hi(b[:, head + 4 :], 16) | (high << 4)
+        if kind == T.Q5_0:
+            codes, scales = q.astype(np.int16) - 16, d
+        else:
+            codes, scales, mins = q, d, _f16(b[:, 2:4])
+    elif kind == T.Q8_0:
+        codes, scales = b[:, 2:].view(np.int8), _f16(b[:, 0:2])
+    elif kind in (T.Q4_K, T.Q5_K):
+        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        sc, mn = _k_scales(b[:, 4:16])
+        scales = (d[:, None] * sc).reshape(-1)  # [n * 8]
+        mins = -(dmin[:, None] * mn).reshape(-1)
+        if kind == T.Q4_K:
+            codes, bits = _lo_hi(b[:, 16:], 32), 4
+        else:  # bit j of byte i: the fifth bit of element i of sub-block j
+            qh = b[:, 16:48]
+            high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
+            codes = _lo_hi(b[:, 48:], 32) | (high.reshape(n, -1) << 4)
+    elif kind == T.Q6_K:
+        d = _f16(b[:, 208:210])
+        sc = b[:, 192:208].view(np.int8).astype(np.float32)
+        scales = (d[:, None] * sc).reshape(-1)  # [n * 16]
+        # Two halves of 128 weights: element h*128 + 64*s + i has low bits from nibble s of
+        # ql byte h*64 + i, high bits from bits 2t.. of qh byte h*32 + i (t = element/32).
+        lo = _lo_hi(b[:, 0:128], 64)
+        qh = b[:, 128:192].reshape(n, 2, 1, 32)
+        hi = ((qh >> np.array([0, 2, 4, 6], dtype=np.uint8)[None, None, :, None]) & 3)
+        codes = (lo | (hi.reshape(n, -1) << 4)).astype(np.int16) - 32
+        group = 16
+    else:
+        raise ValueError(f"{kind.name} is not a block format kvloop stores as is")
+
+    def t(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a))
+
+    codes_t = t(np.asarray(codes).astype(np.int16).reshape(rows, cols))
+    scales_t = t(np.asarray(scales, dtype=np.float32).reshape(rows, -1))
+    mins_t = None if mins is None else t(np.asarray(mins, dtype=np.float32).reshape(rows, -1))
+    return GroupWeights(codes_t, scales_t, mins_t, group, bits)

