@@ -27,6 +27,9 @@ class ScheduledSeq:
     # will fork from this one once its prompt is in the cache.
     fork_samples: list[tuple[str, SamplingParams]] = field(default_factory=list)
     num_draft: int = 0  # trailing draft tokens in token_ids: sample at each of them too
+    # The block tables of KV cache groups 1.. (sliding-window layers; block_ids is group
+    # 0's); empty for a one-group cache. A dropped entry reads as block 0, never attended.
+    group_block_ids: tuple[list[int], ...] = ()
 
     @property
     def draft_token_ids(self) -> list[int]:

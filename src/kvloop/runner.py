@@ -12,7 +12,11 @@ import torch
 from kvloop import kernels
 from kvloop.batch import ScheduledSeq, SchedulerOutput
 from kvloop.models import AttentionMetadata, CausalLM, PrefillSegment
-from kvloop.models.attention import causal_prefix_mask, flat_kv_index
+from kvloop.models.attention import (
+    KVCacheGroup,
+    causal_prefix_mask,
+    flat_kv_index,
+)
 from kvloop.models.native import build_native_decoder, native_prefill_ready
 from kvloop.params import SamplingParams
 from kvloop.sampling import Sampler, SamplingRow
@@ -26,12 +30,14 @@ NATIVE_MAX_ROWS = 64
 NATIVE_MAX_PREFILL = 1024
 
 
-def padded_block_tables(seqs: list[ScheduledSeq]) -> torch.Tensor:
-    """[num_seqs, max_blocks] int64, each row padded with block 0: the kernels stop at the
-    context length, the PyTorch path masks what lies beyond it."""
-    max_blocks = max(len(s.block_ids) for s in seqs)
-    return torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in seqs],
-                        dtype=torch.long)
+def padded_block_tables(seqs: list[ScheduledSeq], group: int = 0) -> torch.Tensor:
+    """[num_seqs, max_blocks] int64: KV cache group `group`'s tables, each row padded with
+    block 0: the kernels stop at the context length, the PyTorch path masks what lies
+    beyond it."""
+    rows = ([s.block_ids for s in seqs] if group == 0
+            else [s.group_block_ids[group - 1] for s in seqs])
+    max_blocks = max(len(r) for r in rows)
+    return torch.tensor([r + [0] * (max_blocks - len(r)) for r in rows], dtype=torch.long)
 
 
 @dataclass
@@ -68,23 +74,40 @@ def kv_cache_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int,
 
 
 class ModelRunner:
+    """`kv_groups`: the KV cache groups the scheduler's tables follow (kv_cache.py);
+    None: one group of every layer, each layer keeping every position."""
+
     def __init__(self, model: CausalLM, block_size: int, num_blocks: int,
-                 use_cache: bool = True, use_kernels: bool = True) -> None:
+                 use_cache: bool = True, use_kernels: bool = True,
+                 kv_groups: list[KVCacheGroup] | None = None) -> None:
         self.model = model
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
         c = model.config
-        # One [2, kv_heads, slots, head_dim] tensor per layer; slot = block * block_size + offset.
+        self.kv_groups = kv_groups or [KVCacheGroup(tuple(range(c.num_layers)))]
+        # Layer i keeps its K/V in tensor j when it is the j-th layer of its group, and
+        # reads its group's metadata.
+        slot_of_layer = [0] * c.num_layers
+        group_of_layer = [0] * c.num_layers
+        for g, group in enumerate(self.kv_groups):
+            for j, layer in enumerate(group.layers):
+                slot_of_layer[layer], group_of_layer[layer] = j, g
+        self.layer_group = tuple(group_of_layer)
+        # One [2, kv_heads, slots, head_dim] tensor per layer of a group (per layer when
+        # there is one group); slot = block * block_size + offset.
         # Left uninitialised: the OS maps pages only as blocks are first written, so the
         # pool costs resident memory in proportion to use, not to kv_cache_memory. Nothing
         # reads a slot before it is written, except the PyTorch decode path's padding,
         # which points at slot 0 (masked out): block 0 is zeroed so that it is finite.
-        self.kv_caches: list[torch.Tensor] | None = None
+        self.kv_caches: list[torch.Tensor] | None = None  # per layer, shared within a slot
+        self._kv_tensors: list[torch.Tensor] = []
         if use_cache:
-            self.kv_caches = [torch.empty(2, c.num_kv_heads, num_blocks * block_size, c.head_dim)
-                              for _ in range(c.num_layers)]
-            for cache in self.kv_caches:
+            self._kv_tensors = [
+                torch.empty(2, c.num_kv_heads, num_blocks * block_size, c.head_dim)
+                for _ in self.kv_groups[0].layers]
+            for cache in self._kv_tensors:
                 cache[:, :, :block_size].zero_()
+            self.kv_caches = [self._kv_tensors[j] for j in slot_of_layer]
         self.sampler = Sampler()
         # The native paged-attention kernel (built once, cached); the PyTorch gather + SDPA
         # path is the fallback and the reference it is tested against.
@@ -93,7 +116,9 @@ class ModelRunner:
         # path for large inputs (native_prefill_ready) it serves every step, prefill
         # included; otherwise decode-only steps of up to native_max_rows sequences, and
         # larger batches stay on the modules' GEMMs.
-        self.decoder = build_native_decoder(model) if self.use_kernels else None
+        # (One KV cache group only: it reads one block table.)
+        self.decoder = (build_native_decoder(model)
+                        if self.use_kernels and len(self.kv_groups) == 1 else None)
         self.native_max_rows = NATIVE_MAX_ROWS
         self.native_prefill = self.decoder is not None and native_prefill_ready(model)
         self._generators: dict[str, torch.Generator] = {}
@@ -118,7 +143,7 @@ class ModelRunner:
         bs = self.block_size
         src = torch.cat([torch.arange(s * bs, (s + 1) * bs) for s, _ in pairs])
         dst = torch.cat([torch.arange(d * bs, (d + 1) * bs) for _, d in pairs])
-        for cache in self.kv_caches:
+        for cache in self._kv_tensors:
             cache[:, :, dst] = cache[:, :, src]
 
     # -- the step ---------------------------------------------------------------------------
@@ -294,11 +319,25 @@ class ModelRunner:
                 start += s.num_tokens
             return meta
 
-        bs = self.block_size
         seqs = sched.decodes + sched.prefills
-        tables = padded_block_tables(seqs)  # [num_seqs, max_blocks]
         seq_of_row = torch.repeat_interleave(
             torch.arange(len(seqs)), torch.tensor([s.num_tokens for s in seqs]))  # [T]
+        self._cache_metadata(meta, sched, pos, seq_of_row, padded_block_tables(seqs))
+        if len(self.kv_groups) > 1:
+            groups = [meta]
+            for g in range(1, len(self.kv_groups)):
+                m = AttentionMetadata(num_decodes=len(sched.decodes))
+                self._cache_metadata(m, sched, pos, seq_of_row, padded_block_tables(seqs, g))
+                groups.append(m)
+            meta.groups, meta.layer_group = tuple(groups), self.layer_group
+        return meta
+
+    def _cache_metadata(self, meta: AttentionMetadata, sched: SchedulerOutput,
+                        pos: torch.Tensor, seq_of_row: torch.Tensor,
+                        tables: torch.Tensor) -> None:
+        """Fill in where one KV cache group's tables (`tables` [num_seqs, max_blocks])
+        put the step's new K/V and what each sequence attends to."""
+        bs = self.block_size
         meta.slot_mapping = tables[seq_of_row, pos // bs] * bs + pos % bs  # [T]
 
         heads, num_slots = self.model.config.num_kv_heads, self.num_slots
@@ -335,4 +374,3 @@ class ModelRunner:
                 seg.mask = causal_prefix_mask(s.num_tokens, ctx_len)
             meta.prefills.append(seg)
             start += s.num_tokens
-        return meta

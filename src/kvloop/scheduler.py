@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from kvloop.batch import ScheduledSeq, SchedulerOutput
 from kvloop.errors import PromptTooLongError
-from kvloop.kv_cache import KVCacheManager, KVCacheStats
+from kvloop.kv_cache import Block, KVCacheManager, KVCacheStats
 from kvloop.request import Request, RequestStatus
 
 
@@ -77,7 +77,7 @@ class Scheduler:
         if request.max_model_len is not None:
             longest = max(longest, min(request.num_prompt_tokens + request.params.max_tokens,
                                        request.max_model_len))
-        need = self.kv.num_blocks_for(longest)
+        need = self.kv.blocks_needed(longest, self.config.max_num_batched_tokens)
         usable = self.kv.pool.num_blocks - self.kv.watermark_blocks
         if need > usable:
             raise PromptTooLongError(
@@ -165,7 +165,7 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
-            prefix = []
+            prefix: list[Block] = []
             # Prompt log-probs come from the prompt's own forward: no prefix-cache hits.
             if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
                 prefix = self.kv.find_cached_prefix(req)
@@ -253,6 +253,7 @@ class Scheduler:
             token_ids=req.token_slice(start, start + n) + req.spec_token_ids[:num_draft],
             start_pos=start,
             block_ids=self.kv.block_ids(req.request_id),
+            group_block_ids=self.kv.group_block_ids(req.request_id),
             # max_tokens 0 (scoring a prompt): the prompt runs, nothing is sampled.
             sample=start + n == req.num_tokens and req.params.max_tokens > 0,
             params=req.params,

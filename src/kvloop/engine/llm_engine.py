@@ -27,10 +27,11 @@ from kvloop.engine.output_state import SeqOutputState
 from kvloop.engine.outputs import CompletionOutput, RequestOutput
 from kvloop.engine.structured import GrammarCompiler
 from kvloop.errors import InvalidParamsError, ModelLoadError, PromptTooLongError
-from kvloop.kv_cache import KVCacheManager
+from kvloop.kv_cache import KVCacheManager, blocks_for_sequence
 from kvloop.loading.loader import Checkpoint, load_checkpoint
 from kvloop.loading.tokenizer import Tokenizer
 from kvloop.models import CausalLM, create_model
+from kvloop.models.attention import kv_cache_groups
 from kvloop.models.quantize import quantize_model
 from kvloop.params import SamplingParams
 from kvloop.quant import QUANTIZATIONS
@@ -157,20 +158,29 @@ class LLMEngine:
         c, ec = self.model_config, self.config
         self.max_model_len = min(ec.max_model_len or c.max_position_embeddings,
                                  c.max_position_embeddings)
-        per_block = kv_cache_bytes_per_block(c.num_layers, c.num_kv_heads, c.head_dim,
-                                             ec.block_size)
+        # KV cache groups (kv_cache.py): a block holds one group's layers, and every group
+        # needs its blocks, so capacity is counted in group-sized blocks.
+        self.kv_groups = kv_cache_groups(c)
+        num_groups = len(self.kv_groups)
+        self.kv_bytes_per_block = kv_cache_bytes_per_block(
+            len(self.kv_groups[0].layers), c.num_kv_heads, c.head_dim, ec.block_size)
+        windows = [g.window for g in self.kv_groups]
         # Never more blocks than max_num_seqs full-length sequences could use; never so few
-        # that the context would silently shrink to a handful of tokens (refused).
-        blocks_cap = ec.max_num_seqs * (-(-self.max_model_len // ec.block_size))
-        num_blocks = (min(ec.check_kv_capacity(per_block, self.max_model_len), blocks_cap)
+        # that the context would silently shrink to a handful of tokens (refused: checked
+        # as if each group needed the whole context).
+        blocks_cap = ec.max_num_seqs * blocks_for_sequence(
+            self.max_model_len, ec.block_size, windows, ec.max_num_batched_tokens)
+        num_blocks = (min(ec.check_kv_capacity(self.kv_bytes_per_block * num_groups,
+                                               self.max_model_len) * num_groups, blocks_cap)
                       if ec.use_cache else 1)
         self.num_blocks = num_blocks
         self._new_scheduler()
         if ec.use_cache:  # a sequence may never outgrow the cache (it would stall)
-            usable = (num_blocks - self.kv.watermark_blocks) * ec.block_size
-            self.max_model_len = min(self.max_model_len, usable)
+            self.max_model_len = self.kv.max_tokens(num_blocks - self.kv.watermark_blocks,
+                                                    ec.max_num_batched_tokens,
+                                                    self.max_model_len)
         self.runner = ModelRunner(self.model, ec.block_size, num_blocks, ec.use_cache,
-                                  ec.use_kernels)
+                                  ec.use_kernels, self.kv_groups)
         # Speculative decoding: drafts of up to num_speculative_tokens per sequence, adapted
         # to each one's recent acceptance; none while more than spec_max_batch sequences
         # decode (the step is compute-bound: draft rows would cost more than they save).
@@ -212,7 +222,9 @@ class LLMEngine:
 
     def _new_scheduler(self) -> None:
         ec = self.config
-        self.kv = KVCacheManager(self.num_blocks, ec.block_size, ec.enable_prefix_caching)
+        self.kv = KVCacheManager(self.num_blocks, ec.block_size, ec.enable_prefix_caching,
+                                 group_windows=[g.window for g in self.kv_groups],
+                                 bytes_per_block=self.kv_bytes_per_block)
         self.scheduler = Scheduler(
             SchedulerConfig(ec.max_num_seqs, ec.max_num_batched_tokens, ec.use_cache), self.kv)
 

@@ -13,6 +13,7 @@ chunk in its own call (causal within the chunk, over everything cached before it
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -21,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvloop import kernels
+from kvloop.config import ModelConfig
 
 
 @dataclass
@@ -51,6 +53,42 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] int64, padded
     decode_context_lens: torch.Tensor | None = None  # [B] int64, the new token included
     block_size: int = 0
+    # KV cache groups (see KVCacheGroup): this metadata is group 0's; `groups` holds every
+    # group's, and layer i reads `groups[layer_group[i]]`. Empty: one group, this one.
+    groups: tuple[AttentionMetadata, ...] = ()
+    layer_group: tuple[int, ...] = ()
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        return self.groups[self.layer_group[layer]] if self.groups else self
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that share one block table per sequence. Layer `layers[j]` keeps its K/V in
+    cache tensor j, so a block id names the same memory for every layer of the group, and
+    one pool of equal-sized blocks serves every group. A sliding group (`window` set) may
+    drop blocks that slid out of the window; a full group (None) keeps them all."""
+
+    layers: tuple[int, ...]
+    window: int | None = None
+
+
+def kv_cache_groups(config: ModelConfig) -> list[KVCacheGroup]:
+    """The model's layers grouped by attention type, full groups first (group 0 is the
+    table the native step and the prefix cache's chain follow).
+
+    Every group has the same size, gcd(full layers, sliding layers), so that one block
+    means the same bytes in every group: Gemma 3 270M's 3 global + 15 local layers make
+    one full group and five sliding groups of three layers. A model without sliding
+    layers is one group of all its layers, as if there were no groups."""
+    layers = range(config.num_layers)
+    full = [i for i in layers if not config.is_sliding(i)]
+    sliding = [i for i in layers if config.is_sliding(i)]
+    size = math.gcd(len(full), len(sliding))
+    groups = [KVCacheGroup(tuple(full[k:k + size])) for k in range(0, len(full), size)]
+    groups += [KVCacheGroup(tuple(sliding[k:k + size]), config.sliding_window)
+               for k in range(0, len(sliding), size)]
+    return groups
 
 
 def causal_prefix_mask(q_len: int, ctx_len: int) -> torch.Tensor:

@@ -166,18 +166,24 @@ class Gemma3ForCausalLM(nn.Module):
         x = F.embedding(input_ids, self.embed_tokens) * self.embed_scale  # [T, hidden]
         rope_global = self.rope.cos_sin(positions)
         rope_local = self.local_rope.cos_sin(positions)
-        local_meta = meta
-        if c.sliding_window is not None and any(c.is_sliding(i) for i in range(c.num_layers)):
-            num_slots = kv_caches[0].shape[2] if kv_caches else 0
-            local_meta = sliding_window(meta, positions, c.sliding_window, c.num_kv_heads,
-                                        num_slots)
+        num_slots = kv_caches[0].shape[2] if kv_caches else 0
+        # Each KV cache group's metadata (meta.for_layer), windowed once per group for
+        # its sliding layers.
+        local_metas: dict[int, AttentionMetadata] = {}
         for i, layer in enumerate(self.layers):
             layer = cast(DecoderLayer, layer)
             cache = None if kv_caches is None else kv_caches[i]
+            layer_meta = meta.for_layer(i)
             if layer.sliding:
-                x = layer(x, rope_local, cache, local_meta)
+                assert c.sliding_window is not None
+                key = meta.layer_group[i] if meta.groups else -1
+                local = local_metas.get(key)
+                if local is None:
+                    local = local_metas[key] = sliding_window(
+                        layer_meta, positions, c.sliding_window, c.num_kv_heads, num_slots)
+                x = layer(x, rope_local, cache, local)
             else:
-                x = layer(x, rope_global, cache, meta)
+                x = layer(x, rope_global, cache, layer_meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
