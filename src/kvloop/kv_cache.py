@@ -253,16 +253,16 @@ class KVCacheManager:
                 hi = mid - 1
         return lo
 
-    def num_held_blocks(self, request_id: str) -> int:
-        """Blocks the request's tables reference now, over all groups."""
+    def group_num_blocks(self, request_id: str) -> list[int]:
+        """Per group, the blocks the request's table references now (dropped ones not)."""
         table = self._tables.get(request_id)
         if table is None:
-            return 0
-        return sum(len(blocks) - d for blocks, d in zip(table.groups, table.num_dropped,
-                                                         strict=True))
+            return [0] * self.num_groups
+        return [len(blocks) - d for blocks, d in zip(table.groups, table.num_dropped,
+                                                     strict=True)]
 
     def stats(self) -> KVCacheStats:
-        seq_blocks = tuple(self.num_held_blocks(rid) for rid in self._tables)
+        seq_blocks = tuple(sum(self.group_num_blocks(rid)) for rid in self._tables)
         return KVCacheStats(self.pool.num_blocks, self.pool.num_free,
                             self.prefix_queries, self.prefix_hits, self.bytes_per_block,
                             seq_blocks)
@@ -351,6 +351,9 @@ class KVCacheManager:
         if table is None:
             prefix = (cached_prefix.groups if isinstance(cached_prefix, CachedPrefix)
                       else [list(cached_prefix or [])])
+            if len(prefix) != self.num_groups and any(prefix):
+                raise ValueError("a prefix hit must give every KV cache group's blocks")
+            prefix = prefix + [[] for _ in range(self.num_groups - len(prefix))]
             have = [len(p) for p in prefix]
         else:
             prefix = []

@@ -2,9 +2,10 @@
 
 Request figures (TTFT, TPOT, latency, tokens) are recorded on the engine thread as
 outputs leave the engine, so a request whose client vanished still counts. Engine
-figures (running, waiting, KV blocks, prefix hits, preemptions) are read at scrape time
-from the engine's last published snapshot. Each app has its own CollectorRegistry, so
-several servers in one process (the tests) never share counters.
+figures (running, waiting, KV blocks and bytes per sequence, prefix hits, preemptions)
+are read at scrape time from the engine's last published snapshot. Each app has its
+own CollectorRegistry, so several servers in one process (the tests) never share
+counters.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
                  0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 
+# KV bytes of one sequence: 64 KiB to 16 GiB in steps of 4x.
+_KV_BYTES_BUCKETS = tuple(float(64 * 1024 * 4 ** i) for i in range(10))
+
 
 class _EngineCollector(Collector):
     def __init__(self, stats: Callable[[], SchedulerStats]) -> None:
@@ -48,6 +52,18 @@ class _EngineCollector(Collector):
                                 "KV cache blocks in the pool.", st.kv.num_blocks)
         yield GaugeMetricFamily("kvloop_kv_cache_usage_ratio", "Fraction of KV blocks used.",
                                 st.kv.num_used_blocks / max(st.kv.num_blocks, 1))
+        yield GaugeMetricFamily("kvloop_kv_cache_bytes_per_block",
+                                "K and V bytes of one block (over one KV cache group's "
+                                "layers).", st.kv.bytes_per_block)
+        # KV each sequence holds now (sliding-window layers only their window's blocks).
+        seq_bytes = st.kv.seq_kv_bytes
+        kv_buckets = [(f"{b:.0f}", sum(1 for x in seq_bytes if x <= b))
+                      for b in _KV_BYTES_BUCKETS]
+        kv_buckets.append(("+Inf", len(seq_bytes)))
+        yield HistogramMetricFamily(
+            "kvloop_kv_cache_bytes_per_sequence",
+            "KV cache bytes held by each sequence now in the cache (shared blocks counted "
+            "for each sharer).", buckets=kv_buckets, sum_value=sum(seq_bytes))
         yield GaugeMetricFamily("kvloop_prefix_cache_hit_rate",
                                 "Prompt tokens found in the prefix cache / tokens looked up.",
                                 st.kv.prefix_hit_rate)
