@@ -151,8 +151,12 @@ def test_sliding_window_metadata(decode_path: str) -> None:
     rows = slice(B + L, T)
     ref = _windowed_reference(q[rows], k[rows], v[rows], positions[rows], positions[rows], W)
     torch.testing.assert_close(out[rows], ref)
-    # Only what a query can see is gathered.
-    assert windowed.decode_shape == (B, W)
+    # Only what a query can see is read: the kernel is told the window; the gather path
+    # gathers only the window.
+    if decode_path == "block_tables":
+        assert windowed.decode_window == W and windowed.decode_block_tables is tables
+    else:
+        assert windowed.decode_shape == (B, W)
     assert windowed.prefills[0].kv_index is not None
     assert windowed.prefills[0].kv_index.numel() == Hkv * (W - 1 + L)
 

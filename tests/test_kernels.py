@@ -271,8 +271,13 @@ def test_other_isa_builds_match(kernel: None, isa: str) -> None:
     assert mod.compiled_with_avx2() == (isa != "scalar")
     case = make_case([1, 16, 77, 300], 3, 36, 16, seed=2)
     q = torch.randn(4, 9, 36)
-    out = mod.paged_attention_varlen(q, case.cache, case.tables, None, case.ctx, 16, 1 / 6)
+    out = mod.paged_attention_varlen(q, case.cache, case.tables, None, case.ctx, 16, 1 / 6, 0)
     ref = pa.paged_decode_attention_reference(q, case.cache, case.tables, case.ctx, 16, 1 / 6)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
+    # A sliding window of 40 (decode rows start mid-block).
+    out = mod.paged_attention_varlen(q, case.cache, case.tables, None, case.ctx, 16, 1 / 6, 40)
+    ref = pa.paged_decode_attention_reference(q, case.cache, case.tables, case.ctx, 16, 1 / 6,
+                                              40)
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
     # The linear kernels, every weight kind, against the same references the loaded build
     # is tested with (tests/test_native.py): 1, 6 and 37 rows reach the single-row, 4-row
@@ -341,3 +346,56 @@ def test_build_failure_falls_back_with_a_warning(
         assert pa.available() is False
     assert len(calls) == 1  # tried once, not on every call
     assert "g++ not found" in caplog.text
+
+
+def windowed_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   window: int) -> torch.Tensor:
+    """dense_attention where position p sees only keys p - window + 1 .. p."""
+    L, ctx = q.shape[0], k.shape[1]
+    qpos = torch.arange(ctx - L, ctx)[:, None]
+    kpos = torch.arange(ctx)[None, :]
+    mask = (kpos <= qpos) & (kpos > qpos - window)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask, scale=scale, enable_gqa=True
+    )
+    return o[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("block_size", [16, 4])
+@pytest.mark.parametrize("window", [1, 5, 16, 40, 1000])
+def test_sliding_window_never_reads_dropped_blocks(kernel: None, window: int,
+                                                   block_size: int) -> None:
+    """window > 0: decode rows and prefill chunks (one call) see only their last `window`
+    positions, against dense attention with the window mask. The table entries of blocks
+    before each sequence's first visible key point at a NaN-filled block, as a sliding KV
+    cache group's dropped entries point at a block it does not own: any read shows."""
+    ctx = [1, 7, 33, 100, 257, 64]
+    rows = [1, 1, 5, 20, 40, 1]  # query rows per sequence: decodes and chunks
+    D, H, Hkv = 32, 4, 2
+    case = make_case(ctx, Hkv, D, block_size, seed=window * block_size)
+    owned = set(case.tables[case.tables >= 0].tolist())
+    spare = next(b for b in range(case.cache.shape[2] // block_size) if b not in owned)
+    assert case.cache[:, :, spare * block_size].isnan().all()
+    for i, (c, n) in enumerate(zip(ctx, rows, strict=True)):
+        case.tables[i, : max(0, c - n - window + 1) // block_size] = spare
+    g = torch.Generator().manual_seed(window)
+    q = torch.randn(sum(rows), H, D, generator=g)
+    qstart = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()])
+    out = pa.paged_attention_varlen(q, case.cache, case.tables, qstart, case.ctx,
+                                    block_size, 0.2, window)
+    assert not out.isnan().any()
+    for i in range(len(ctx)):
+        r = slice(int(qstart[i]), int(qstart[i + 1]))
+        want = windowed_dense(q[r], case.keys[i], case.values[i], 0.2, window)
+        torch.testing.assert_close(out[r], want, atol=ATOL, rtol=RTOL)
+    # The decode entry point and the reference agree where the reference can read.
+    dec = pa.paged_decode_attention(q[:2], case.cache, case.tables[:2], case.ctx[:2],
+                                    block_size, 0.2, window)
+    torch.testing.assert_close(dec, out[:2], atol=ATOL, rtol=RTOL)
+
+
+def test_negative_window_is_refused(kernel: None) -> None:
+    case = make_case([5], 1, 8, 4, seed=1)
+    with pytest.raises(RuntimeError, match="window"):
+        pa.paged_decode_attention(torch.randn(1, 1, 8), case.cache, case.tables, case.ctx, 4,
+                                  1.0, -1)

@@ -21,7 +21,7 @@ import torch
 
 import kvloop.engine.llm_engine as llm_engine
 from conftest import write_tiny_gemma3
-from kvloop import LLM, SamplingParams
+from kvloop import LLM, SamplingParams, kernels
 from kvloop.engine.llm_engine import LLMEngine
 from kvloop.kv_cache import KVCacheManager, blocks_for_sequence
 from kvloop.loading.loader import load_checkpoint
@@ -277,18 +277,22 @@ def prompts_of(lengths: tuple[int, ...], seed: int) -> list[list[int]]:
     return [torch.randint(2, 320, (n,), generator=g).tolist() for n in lengths]
 
 
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["kernel", "gather"])
 def test_mixed_batch_matches_transformers_and_the_all_full_cache(
-        gemma: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+        gemma: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch, use_kernels: bool) -> None:
     """A batch of mixed lengths around the 16-token window, 24-token chunks, decoding past
-    it: the same tokens as transformers and as kvloop with every block kept."""
+    it, with decode attention in the C++ kernel (told the window) or gathered in PyTorch:
+    the same tokens as transformers and as kvloop with every block kept."""
     d, hf = gemma
     prompts = prompts_of((3, 15, 16, 17, 40, 130), 4)
     refs = [hf_greedy(hf, ids, 30) for ids in prompts]
-    got = greedy(LLM(d, kv_cache_memory=KV, max_num_batched_tokens=24), prompts, 30)
+    llm = LLM(d, kv_cache_memory=KV, max_num_batched_tokens=24, use_kernels=use_kernels)
+    assert llm.engine.runner.use_kernels == (use_kernels and kernels.available())
+    got = greedy(llm, prompts, 30)
     for ours, (want, logits) in zip(got, refs, strict=True):
         assert compare_greedy(ours, want, logits) == len(want)
     one_group(monkeypatch)
-    full = LLM(d, kv_cache_memory=KV, max_num_batched_tokens=24)
+    full = LLM(d, kv_cache_memory=KV, max_num_batched_tokens=24, use_kernels=use_kernels)
     assert len(full.engine.kv_groups) == 1
     assert greedy(full, prompts, 30) == got
 

@@ -31,14 +31,18 @@ def paged_attention_varlen(
     context_lens: torch.Tensor,  # [N] int64, cached tokens including the query rows
     block_size: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:  # [T, H, D]
     """Decode rows and prefill chunks in one call.
 
     Sequence n owns rows ``query_start[n]:query_start[n+1]`` of q: the last L of its
-    ``context_lens[n]`` positions. Row i of them sees keys ``0 .. ctx - L + i`` (causal).
+    ``context_lens[n]`` positions. Row i of them sees keys ``0 .. ctx - L + i`` (causal);
+    with ``window`` > 0 only the last ``window`` of those (a sliding-window layer), and
+    table entries of blocks before the first visible key are never read.
     """
     return _ext().paged_attention_varlen(
-        q.contiguous(), kv_cache, block_tables, query_start, context_lens, block_size, scale
+        q.contiguous(), kv_cache, block_tables, query_start, context_lens, block_size, scale,
+        window,
     )
 
 
@@ -49,9 +53,10 @@ def paged_decode_attention(
     context_lens: torch.Tensor,  # [B] int64, >= 1
     block_size: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:  # [B, H, D]
     return _ext().paged_attention_varlen(
-        q.contiguous(), kv_cache, block_tables, None, context_lens, block_size, scale
+        q.contiguous(), kv_cache, block_tables, None, context_lens, block_size, scale, window
     )
 
 
@@ -62,12 +67,13 @@ def paged_prefill_attention(
     context_len: int,  # cached tokens including the chunk, >= L
     block_size: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:  # [L, H, D]
     """One prefill chunk over its cached prefix, causal inside the chunk."""
     L = q.shape[0]
     return _ext().paged_attention_varlen(
         q.contiguous(), kv_cache, block_table.view(1, -1), torch.tensor([0, L]),
-        torch.tensor([context_len]), block_size, scale,
+        torch.tensor([context_len]), block_size, scale, window,
     )
 
 
@@ -89,11 +95,15 @@ def paged_prefill_attention_reference(
     context_len: int,
     block_size: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:  # [L, H, D]
     L = q.shape[0]
     k, v = _context_kv(kv_cache, block_table, context_len, block_size)  # [Hkv, ctx, D]
     keys = torch.arange(context_len)
-    mask = keys[None, :] <= (torch.arange(L)[:, None] + context_len - L)  # [L, ctx]
+    qpos = torch.arange(L)[:, None] + context_len - L  # [L, 1]
+    mask = keys[None, :] <= qpos  # [L, ctx]
+    if window > 0:
+        mask &= keys[None, :] > qpos - window
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),  # [1, H, L, D]
         attn_mask=mask, scale=scale, enable_gqa=True,
@@ -108,12 +118,14 @@ def paged_decode_attention_reference(
     context_lens: torch.Tensor,  # [B]
     block_size: int,
     scale: float,
+    window: int = 0,
 ) -> torch.Tensor:  # [B, H, D]
     """Gather each row's context, then SDPA: one sequence at a time, so no padding mask
     (and no read of padded table entries) can leak into the result."""
     out = torch.empty_like(q)
     for b in range(q.shape[0]):
         out[b : b + 1] = paged_prefill_attention_reference(
-            q[b : b + 1], kv_cache, block_tables[b], int(context_lens[b]), block_size, scale
+            q[b : b + 1], kv_cache, block_tables[b], int(context_lens[b]), block_size, scale,
+            window,
         )
     return out

@@ -53,6 +53,7 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] int64, padded
     decode_context_lens: torch.Tensor | None = None  # [B] int64, the new token included
     block_size: int = 0
+    decode_window: int = 0  # > 0: the kernel's decode rows see only their last positions
     # KV cache groups (see KVCacheGroup): this metadata is group 0's; `groups` holds every
     # group's, and layer i reads `groups[layer_group[i]]`. Empty: one group, this one.
     groups: tuple[AttentionMetadata, ...] = ()
@@ -115,25 +116,17 @@ def sliding_window(
     (their own included: key k is seen from position q when q - window < k <= q, as in
     HF's sliding-window mask).
 
-    Built once per step and shared by every sliding layer. Where some context is longer
-    than the window, decode rows gather only their last `window` slots (padded rows
-    masked), which also takes them off the native kernel: it attends to the whole context.
-    Prefill chunks gather only the keys their queries can see. Nothing changes where every
-    context fits in the window."""
+    Built once per step and shared by every sliding layer of a KV cache group. Decode
+    rows on the native kernel pass it the window (it starts each row's walk at its first
+    visible key); on the gather path they gather only their last `window` slots (padded
+    rows masked). Prefill chunks gather only the keys their queries can see. So nothing
+    reads a block before a query's window: a sliding group's dropped blocks (kv_cache.py)
+    are never touched. Nothing changes where every context fits in the window."""
     out = replace(meta, prefills=[])
     n = meta.num_decodes
     if n:
         if meta.decode_block_tables is not None:
-            assert meta.decode_context_lens is not None
-            ctx = meta.decode_context_lens  # [B]
-            if int(ctx.max()) > window:
-                bs = meta.block_size
-                tables = meta.decode_block_tables  # [B, max_blocks]
-
-                def slot_of(p: torch.Tensor) -> torch.Tensor:  # [B, W] positions -> slots
-                    return tables.gather(1, p // bs) * bs + p % bs
-
-                _window_decode(out, ctx, window, num_kv_heads, num_slots, slot_of)
+            out.decode_window = window
         elif meta.decode_kv_index is not None:
             B, S = meta.decode_shape
             if window < S:
@@ -224,7 +217,7 @@ def paged_attention(
         assert softcap is None, "the decode kernel does not softcap"
         out[:n] = kernels.paged_decode_attention(
             q[:n], kv_cache, meta.decode_block_tables, meta.decode_context_lens,
-            meta.block_size, scale)  # [B, H, D]
+            meta.block_size, scale, meta.decode_window)  # [B, H, D]
     elif n:
         assert kv_cache is not None and meta.decode_kv_index is not None
         B, S = meta.decode_shape

@@ -35,13 +35,14 @@ class AttentionPlan {
   AttentionPlan(int64_t T, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                 int64_t slots, const at::Tensor& block_tables,
                 const std::optional<at::Tensor>& query_start, const at::Tensor& context_lens,
-                int64_t block_size, double scale);
+                int64_t block_size, double scale, int64_t window = 0);
   // q [T, H, D], kv_cache [2, Hkv, slots, D] -> out [T, H, D] (raw contiguous fp32).
   void run(const float* q, const float* kv_cache, float* out) const;
 
  private:
   int64_t H_, Hkv_, D_, slots_, block_size_;
   float scale_;
+  int64_t window_;  // sliding window (0: none)
   at::Tensor tables_t_, qstart_t_, ctx_t_;
   std::vector<AttentionItem> items_;
   std::vector<int64_t> prefix_;  // [items + 1] running cost
@@ -51,7 +52,7 @@ at::Tensor paged_attention_varlen(const at::Tensor& q, const at::Tensor& kv_cach
                                   const at::Tensor& block_tables,
                                   const std::optional<at::Tensor>& query_start,
                                   const at::Tensor& context_lens, int64_t block_size,
-                                  double scale);
+                                  double scale, int64_t window);
 
 // ---- weight-only quantized / fp32 linear layers (linear.cpp) ----
 

@@ -4,7 +4,10 @@
 // [query_start[n], query_start[n+1]) of q, the last L = query_start[n+1] - query_start[n]
 // positions of its context_lens[n] tokens, whose K/V are already in the cache. Row i of
 // the L (position ctx - L + i) sees keys 0..ctx-L+i: decode is L == 1, a prefill chunk
-// over a cached prefix is L > 1 (causal inside the chunk).
+// over a cached prefix is L > 1 (causal inside the chunk). With a sliding `window` > 0,
+// position p sees only keys p - window + 1 .. p (HF's sliding-window mask): the walk over
+// the keys starts at the item's first visible one, so blocks before it (dropped from a
+// sliding KV cache group, whatever their table entries say) are never read.
 //
 // Work item = (sequence, kv head, tile of query rows). All query heads of the GQA group
 // (and, for prefill, several rows) are handled together, so each K/V row is pulled from
@@ -284,7 +287,19 @@ struct Problem {
   const int64_t* ctx;     // [N]
   int64_t H, Hkv, G, D, slots, block_size, max_blocks;
   float scale;
+  int64_t window;  // > 0: sliding window (keys a query sees, its own included); 0: none
 };
+
+// The first key position `pos` sees.
+inline int64_t first_visible(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
+
+// The first key an item reads: the one its first query row sees first.
+inline int64_t item_first_key(const Problem& P, const Item& it) {
+  const int64_t L = P.qstart[it.seq + 1] - P.qstart[it.seq];
+  return first_visible(P.ctx[it.seq] - L + it.row0, P.window);
+}
 
 // Keys the item reads: its last query row sees the most.
 inline int64_t item_keys(const Problem& P, const Item& it) {
@@ -295,8 +310,9 @@ inline int64_t item_keys(const Problem& P, const Item& it) {
 // The row pointers of an item's first tile.
 template <typename index_t>
 void first_tile(const Problem& P, const index_t* tables, const Item& it, TileRows& t) {
-  SlotCursor<index_t> cur(tables + it.seq * P.max_blocks, P.block_size);
-  t.load(cur, std::min(kTile, item_keys(P, it)), P.cache + it.kv_head * P.slots * P.D,
+  const int64_t kbeg = item_first_key(P, it);
+  SlotCursor<index_t> cur(tables + it.seq * P.max_blocks, P.block_size, kbeg);
+  t.load(cur, std::min(kTile, item_keys(P, it) - kbeg), P.cache + it.kv_head * P.slots * P.D,
          P.cache + (P.Hkv + it.kv_head) * P.slots * P.D, P.D);
 }
 
@@ -313,14 +329,16 @@ void run_item(const Problem& P, const index_t* tables, const Item& it, const Ite
   const float* kbase = P.cache + it.kv_head * P.slots * D;
   const float* vbase = P.cache + (P.Hkv + it.kv_head) * P.slots * D;
 
-  // Visible keys per query vector; non-decreasing in m (rows ascend, heads share a row).
-  int64_t vis[kMaxQ];
+  // Visible keys per query vector: [lo, vis); both non-decreasing in m (rows ascend,
+  // heads share a row).
+  int64_t vis[kMaxQ], lo[kMaxQ];
   float run_max[kMaxQ], run_sum[kMaxQ];
   for (int64_t r = 0; r < it.nrows; ++r) {
     const int64_t t = P.qstart[it.seq] + it.row0 + r;
     for (int64_t g = 0; g < ng; ++g) {
       const int64_t m = r * ng + g;
       vis[m] = ctx - L + it.row0 + r + 1;
+      lo[m] = first_visible(vis[m] - 1, P.window);
       run_max[m] = kNegInf;
       run_sum[m] = 0.f;
       // Fold the softmax scale into q once instead of into every score.
@@ -335,11 +353,12 @@ void run_item(const Problem& P, const index_t* tables, const Item& it, const Ite
     return [&vis, j0, n](int64_t /*b*/, int64_t e) { return std::min(n, vis[e - 1] - j0); };
   };
 
+  const int64_t kbeg = lo[0];  // == item_first_key(P, it)
   // Double-buffered tiles: the next one is loaded (and prefetched) during this one.
-  SlotCursor<index_t> cursor(table, bs);
-  tiles[0].load(cursor, std::min(kTile, kend), kbase, vbase, D);
+  SlotCursor<index_t> cursor(table, bs, kbeg);
+  tiles[0].load(cursor, std::min(kTile, kend - kbeg), kbase, vbase, D);
   int cur = 0;
-  for (int64_t j0 = 0; j0 < kend; j0 += kTile) {
+  for (int64_t j0 = kbeg; j0 < kend; j0 += kTile) {
     const int64_t n = std::min(kTile, kend - j0);
     const TileRows& now = tiles[cur];
     TileRows& ahead = tiles[1 - cur];
@@ -371,12 +390,15 @@ void run_item(const Problem& P, const index_t* tables, const Item& it, const Ite
     for (int64_t m = 0; m < M; ++m) {
       float* sm = s + m * kTile;
       const int64_t nv = std::clamp<int64_t>(vis[m] - j0, 0, n);
-      // Keys past this vector's causal limit get weight 0 (the PV block may still
-      // walk them for a later row of the same block).
+      // Keys before this vector's window start (a later row of the block may see them)
+      // or past its causal limit get weight 0 (the PV block may still walk them for
+      // another row of the same block).
+      const int64_t a = std::clamp<int64_t>(lo[m] - j0, 0, nv);
+      std::fill(sm, sm + a, 0.f);
       std::fill(sm + nv, sm + n, 0.f);
-      if (nv == 0) continue;
-      const float new_max = std::max(run_max[m], max_of(sm, nv));
-      const float sum = exp_shift_sum(sm, nv, new_max);
+      if (nv == a) continue;
+      const float new_max = std::max(run_max[m], max_of(sm + a, nv - a));
+      const float sum = exp_shift_sum(sm + a, nv - a, new_max);
       if (new_max != run_max[m]) {
         const float alpha = std::exp(run_max[m] - new_max);  // 0 on the first tile
         run_sum[m] *= alpha;
@@ -444,9 +466,11 @@ void run_items(const Problem& P, const index_t* tables, const std::vector<Item>&
 AttentionPlan::AttentionPlan(int64_t T, int64_t num_heads, int64_t num_kv_heads,
                              int64_t head_dim, int64_t slots, const at::Tensor& block_tables,
                              const std::optional<at::Tensor>& query_start,
-                             const at::Tensor& context_lens, int64_t block_size, double scale)
+                             const at::Tensor& context_lens, int64_t block_size, double scale,
+                             int64_t window)
     : H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), slots_(slots),
-      block_size_(block_size), scale_(static_cast<float>(scale)) {
+      block_size_(block_size), scale_(static_cast<float>(scale)), window_(window) {
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
   TORCH_CHECK(block_tables.dim() == 2 && (block_tables.scalar_type() == at::kLong ||
                                           block_tables.scalar_type() == at::kInt),
               "block_tables must be an int32/int64 [N, max_blocks] tensor");
@@ -480,15 +504,17 @@ AttentionPlan::AttentionPlan(int64_t T, int64_t num_heads, int64_t num_kv_heads,
                 " exceeds its block table");
     // Validate every block the kernel will read, so a bad table is an error, not a segfault.
     const int64_t used = (ctx[n] + block_size - 1) / block_size;
+    const int64_t first = first_visible(ctx[n] - L, window) / block_size;
     AT_DISPATCH_INDEX_TYPES(tables_t_.scalar_type(), "paged_attention_check", [&] {
       const index_t* row = tables_t_.data_ptr<index_t>() + n * max_blocks;
-      for (int64_t b = 0; b < used; ++b)
+      for (int64_t b = first; b < used; ++b)
         TORCH_CHECK(row[b] >= 0 && row[b] < blocks_avail, "sequence ", n, ": block id ",
                     static_cast<int64_t>(row[b]), " out of range [0, ", blocks_avail, ")");
     });
     for (int64_t r0 = 0; r0 < L; r0 += rows_per_item) {
       const int64_t nr = std::min(rows_per_item, L - r0);
-      const int64_t keys = ctx[n] - L + r0 + nr;  // the tile's last row sees the most
+      // The tile's last row sees the most keys; with a window, from its first row's first.
+      const int64_t keys = ctx[n] - L + r0 + nr - first_visible(ctx[n] - L + r0, window);
       for (int64_t h = 0; h < Hkv_; ++h)
         for (int64_t g0 = 0; g0 < G; g0 += head_tile) {
           const int64_t ng = std::min(head_tile, G - g0);
@@ -509,7 +535,8 @@ AttentionPlan::AttentionPlan(int64_t T, int64_t num_heads, int64_t num_kv_heads,
 void AttentionPlan::run(const float* q, const float* kv_cache, float* out) const {
   if (items_.empty()) return;
   const Problem P{q, kv_cache, out, qstart_t_.data_ptr<int64_t>(), ctx_t_.data_ptr<int64_t>(),
-                  H_, Hkv_, H_ / Hkv_, D_, slots_, block_size_, tables_t_.size(1), scale_};
+                  H_, Hkv_, H_ / Hkv_, D_, slots_, block_size_, tables_t_.size(1), scale_,
+                  window_};
   AT_DISPATCH_INDEX_TYPES(tables_t_.scalar_type(), "paged_attention", [&] {
     run_items<index_t>(P, tables_t_.data_ptr<index_t>(), items_, prefix_, parts_);
   });
@@ -517,12 +544,13 @@ void AttentionPlan::run(const float* q, const float* kv_cache, float* out) const
 
 // q [T, H, D] fp32; kv_cache [2, Hkv, slots, D] fp32; block_tables [N, max_blocks]
 // int32/int64; query_start [N + 1] int64, row offsets into q (None: one row per sequence);
-// context_lens [N] int64, tokens in the cache including the query rows. Returns [T, H, D].
+// context_lens [N] int64, tokens in the cache including the query rows; window > 0: each
+// row sees only its last `window` positions (0: all). Returns [T, H, D].
 at::Tensor paged_attention_varlen(const at::Tensor& q, const at::Tensor& kv_cache,
                                   const at::Tensor& block_tables,
                                   const std::optional<at::Tensor>& query_start,
                                   const at::Tensor& context_lens, int64_t block_size,
-                                  double scale) {
+                                  double scale, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "q must be a contiguous float32 [T, H, D] tensor");
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 &&
@@ -531,7 +559,7 @@ at::Tensor paged_attention_varlen(const at::Tensor& q, const at::Tensor& kv_cach
   TORCH_CHECK(!q.is_cuda() && !kv_cache.is_cuda(), "CPU tensors only");
   TORCH_CHECK(kv_cache.size(3) == q.size(2), "head_dim of q and kv_cache differ");
   const AttentionPlan plan(q.size(0), q.size(1), kv_cache.size(1), q.size(2), kv_cache.size(2),
-                           block_tables, query_start, context_lens, block_size, scale);
+                           block_tables, query_start, context_lens, block_size, scale, window);
   auto out = at::empty_like(q);
   plan.run(q.data_ptr<float>(), kv_cache.data_ptr<float>(), out.data_ptr<float>());
   return out;
