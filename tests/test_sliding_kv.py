@@ -364,5 +364,30 @@ def test_llama_is_one_group(tiny_model_dir: Path) -> None:
     assert len(engine.kv_groups) == 1 and engine.kv.num_groups == 1
     assert engine.kv.pool.num_blocks == 36
     assert engine.kv.bytes_per_block == 16 * 512
-    greedy(llm, [[5, 6, 7] * 10], 4)
+    engine.add_request("r", [5, 6, 7] * 10, SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.step()  # the 30-token prompt (two blocks) and its first token
+    assert engine.stats().kv.seq_blocks == (2,)
+    assert engine.stats().kv.seq_kv_bytes == (2 * 16 * 512,)
+    while engine.has_unfinished_requests():
+        engine.step()
     assert engine.stats().kv.seq_blocks == ()
+
+
+def test_metrics_report_kv_bytes_per_sequence() -> None:
+    """/metrics: the block size in bytes and a histogram of each sequence's KV bytes, from
+    the stats snapshot (hand-computed: 3 and 17 blocks of 8 KiB)."""
+    from prometheus_client import generate_latest
+
+    from kvloop.kv_cache import KVCacheStats
+    from kvloop.scheduler import SchedulerStats
+    from kvloop.server.metrics import ServerMetrics
+
+    kv = KVCacheStats(100, 80, bytes_per_block=8192, seq_blocks=(3, 17))
+    assert kv.seq_kv_bytes == (24576, 139264)
+    text = generate_latest(ServerMetrics(lambda: SchedulerStats(2, 0, kv, 0)).registry).decode()
+    lines = set(text.splitlines())
+    assert "kvloop_kv_cache_bytes_per_block 8192.0" in lines
+    assert 'kvloop_kv_cache_bytes_per_sequence_bucket{le="65536"} 1.0' in lines
+    assert 'kvloop_kv_cache_bytes_per_sequence_bucket{le="262144"} 2.0' in lines
+    assert "kvloop_kv_cache_bytes_per_sequence_count 2.0" in lines
+    assert "kvloop_kv_cache_bytes_per_sequence_sum 163840.0" in lines
