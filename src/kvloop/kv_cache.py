@@ -262,7 +262,14 @@ class KVCacheManager:
                                                      strict=True)]
 
     def stats(self) -> KVCacheStats:
-        seq_blocks = tuple(sum(self.group_num_blocks(rid)) for rid in self._tables)
+        # Read every step (the async engine publishes a snapshot): kept to one pass.
+        if self.num_groups == 1:
+            seq_blocks = tuple(len(t.groups[0]) - t.num_dropped[0]
+                               for t in self._tables.values())
+        else:
+            seq_blocks = tuple(sum(len(b) - d for b, d in zip(t.groups, t.num_dropped,
+                                                              strict=True))
+                               for t in self._tables.values())
         return KVCacheStats(self.pool.num_blocks, self.pool.num_free,
                             self.prefix_queries, self.prefix_hits, self.bytes_per_block,
                             seq_blocks)
