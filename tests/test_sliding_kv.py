@@ -391,3 +391,23 @@ def test_metrics_report_kv_bytes_per_sequence() -> None:
     assert 'kvloop_kv_cache_bytes_per_sequence_bucket{le="262144"} 2.0' in lines
     assert "kvloop_kv_cache_bytes_per_sequence_count 2.0" in lines
     assert "kvloop_kv_cache_bytes_per_sequence_sum 163840.0" in lines
+
+
+def test_qwen_with_sliding_upper_layers_matches_transformers(tmp_path: Path) -> None:
+    """A Llama-family model with full and sliding layers (Qwen2, use_sliding_window, window
+    8, layer 0 full): three KV cache groups, transformers' greedy tokens with blocks of 4,
+    chunked prefill and the cached prefix reused."""
+    from test_families import TINY_FAMILIES, _edit_config, hf_model
+
+    d = TINY_FAMILIES["qwen2"](tmp_path / "q", num_hidden_layers=3)
+    _edit_config(d, use_sliding_window=True, sliding_window=8, max_window_layers=1,
+                 layer_types=None)
+    prompts = [p + t for p in prompts_of((30,), 10) for t in prompts_of((5, 11), 11)]
+    hf = hf_model(d)
+    refs = [hf_greedy(hf, ids, 20) for ids in prompts]
+    llm = LLM(d, kv_cache_memory=KV, block_size=4, max_num_batched_tokens=12)
+    assert [g.window for g in llm.engine.kv_groups] == [None, 8, 8]
+    for _ in range(2):
+        for ours, (want, logits) in zip(greedy(llm, prompts, 20), refs, strict=True):
+            assert compare_greedy(ours, want, logits) == len(want)
+    assert llm.engine.kv.stats().prefix_hits > 0

@@ -14,7 +14,7 @@ chunk in its own call (causal within the chunk, over everything cached before it
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 
@@ -90,6 +90,41 @@ def kv_cache_groups(config: ModelConfig) -> list[KVCacheGroup]:
     groups += [KVCacheGroup(tuple(sliding[k:k + size]), config.sliding_window)
                for k in range(0, len(sliding), size)]
     return groups
+
+
+def map_groups(meta: AttentionMetadata,
+               fn: Callable[[AttentionMetadata], AttentionMetadata]) -> AttentionMetadata:
+    """`fn` applied to every KV cache group's metadata (the step's own is group 0's)."""
+    if not meta.groups:
+        return fn(meta)
+    groups = tuple(fn(g) for g in meta.groups)
+    return replace(groups[0], groups=groups, layer_group=meta.layer_group)
+
+
+def layer_metadata(
+    meta: AttentionMetadata,
+    positions: torch.Tensor,  # [T]
+    sliding: Sequence[bool],  # per layer: whether it sees only the last `window` positions
+    window: int | None,
+    num_kv_heads: int,
+    num_slots: int,
+) -> list[AttentionMetadata]:
+    """Each layer's metadata: its KV cache group's (meta.for_layer), windowed for sliding
+    layers (sliding_window, built once per group)."""
+    if window is None or not any(sliding):
+        return [meta.for_layer(i) for i in range(len(sliding))] if meta.groups \
+            else [meta] * len(sliding)
+    windowed: dict[int, AttentionMetadata] = {}
+    out = []
+    for i, slides in enumerate(sliding):
+        m = meta.for_layer(i)
+        if slides:
+            key = meta.layer_group[i] if meta.groups else -1
+            if key not in windowed:
+                windowed[key] = sliding_window(m, positions, window, num_kv_heads, num_slots)
+            m = windowed[key]
+        out.append(m)
+    return out
 
 
 def causal_prefix_mask(q_len: int, ctx_len: int) -> torch.Tensor:

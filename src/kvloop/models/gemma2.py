@@ -20,7 +20,12 @@ from torch import nn
 from kvloop.config import ModelConfig
 from kvloop.errors import ModelLoadError
 from kvloop.models import gemma3
-from kvloop.models.attention import AttentionMetadata, flat_kv_index, paged_attention
+from kvloop.models.attention import (
+    AttentionMetadata,
+    flat_kv_index,
+    map_groups,
+    paged_attention,
+)
 from kvloop.models.base import Architecture, ConfigReader, Dim
 from kvloop.models.linear import Linear
 from kvloop.models.rope import RotaryEmbedding
@@ -76,7 +81,8 @@ class Gemma2ForCausalLM(gemma3.Gemma3ForCausalLM):
         kv_caches: list[torch.Tensor] | None = None,  # one [2, Hkv, slots, D] per layer
     ) -> torch.Tensor:  # [T, hidden], final-normed
         if self.config.attn_logit_softcapping is not None and kv_caches:
-            meta = without_decode_kernel(meta, self.config.num_kv_heads, kv_caches[0].shape[2])
+            heads, slots = self.config.num_kv_heads, kv_caches[0].shape[2]
+            meta = map_groups(meta, lambda m: without_decode_kernel(m, heads, slots))
         return super().forward(input_ids, positions, meta, kv_caches)
 
     def expected_tensors(self) -> dict[str, tuple[Dim, ...]]:

@@ -29,7 +29,7 @@ from torch import nn
 
 from kvloop.config import ModelConfig
 from kvloop.errors import ModelLoadError
-from kvloop.models.attention import AttentionMetadata, paged_attention, sliding_window
+from kvloop.models.attention import AttentionMetadata, layer_metadata, paged_attention
 from kvloop.models.base import Architecture, ConfigReader, Dim, config_dims
 from kvloop.models.linear import Linear
 from kvloop.models.rope import RotaryEmbedding
@@ -167,23 +167,12 @@ class Gemma3ForCausalLM(nn.Module):
         rope_global = self.rope.cos_sin(positions)
         rope_local = self.local_rope.cos_sin(positions)
         num_slots = kv_caches[0].shape[2] if kv_caches else 0
-        # Each KV cache group's metadata (meta.for_layer), windowed once per group for
-        # its sliding layers.
-        local_metas: dict[int, AttentionMetadata] = {}
-        for i, layer in enumerate(self.layers):
-            layer = cast(DecoderLayer, layer)
+        layers = [cast(DecoderLayer, layer) for layer in self.layers]
+        metas = layer_metadata(meta, positions, [layer.sliding for layer in layers],
+                               c.sliding_window, c.num_kv_heads, num_slots)
+        for i, layer in enumerate(layers):
             cache = None if kv_caches is None else kv_caches[i]
-            layer_meta = meta.for_layer(i)
-            if layer.sliding:
-                assert c.sliding_window is not None
-                key = meta.layer_group[i] if meta.groups else -1
-                local = local_metas.get(key)
-                if local is None:
-                    local = local_metas[key] = sliding_window(
-                        layer_meta, positions, c.sliding_window, c.num_kv_heads, num_slots)
-                x = layer(x, rope_local, cache, local)
-            else:
-                x = layer(x, rope_global, cache, layer_meta)
+            x = layer(x, rope_local if layer.sliding else rope_global, cache, metas[i])
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]

@@ -19,7 +19,7 @@ from torch import nn
 
 from kvloop.config import ModelConfig
 from kvloop.errors import ModelLoadError
-from kvloop.models.attention import AttentionMetadata, paged_attention, sliding_window
+from kvloop.models.attention import AttentionMetadata, layer_metadata, paged_attention
 from kvloop.models.base import Architecture, ConfigReader, Dim, config_dims
 from kvloop.models.linear import Linear
 from kvloop.models.rope import RotaryEmbedding
@@ -128,14 +128,11 @@ class LlamaForCausalLM(nn.Module):
         c = self.config
         x = F.embedding(input_ids, self.embed_tokens)
         rope = self.rope.cos_sin(positions)
-        local_meta = meta
-        if c.sliding_window is not None and any(self.sliding):
-            num_slots = kv_caches[0].shape[2] if kv_caches else 0
-            local_meta = sliding_window(meta, positions, c.sliding_window, c.num_kv_heads,
-                                        num_slots)
+        # Each layer's KV cache group's metadata, windowed for sliding layers.
+        metas = layer_metadata(meta, positions, self.sliding, c.sliding_window,
+                               c.num_kv_heads, kv_caches[0].shape[2] if kv_caches else 0)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, None if kv_caches is None else kv_caches[i],
-                      local_meta if self.sliding[i] else meta)
+            x = layer(x, rope, None if kv_caches is None else kv_caches[i], metas[i])
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
