@@ -266,16 +266,6 @@ def takes(method: str) -> bool:
     return True
 
 
-def isa_line() -> str:
-    from kvloop import kernels
-    from kvloop.kernels import build
-
-    if not kernels.available():
-        return "native kernels: none (PyTorch only)"
-    return f"native kernels: {kernels.native_module().compiled_isa()} build " \
-           f"(CPU runs {', '.join(build.cpu_isas())})"
-
-
 def fmt(x: float | None, spec: str = ".1f") -> str:
     return "—" if x is None else format(x, spec)
 
@@ -399,7 +389,7 @@ def main() -> None:
     lines = [
         "## Speculative decoding (default model, greedy)",
         "",
-        f"`{cmd}` on {machine_line()}, {isa_line()}; transformers {transformers.__version__}, "
+        f"`{cmd}` on {machine_line()}; transformers {transformers.__version__}, "
         f"llama-cpp-python {lc_version}; all figures measured in this run ({elapsed:.0f} s). "
         f"{len(grounded)} input-grounded and {len(chat)} open-chat prompts through the chat "
         f"template, {tokens} generated tokens each, EOS ignored. Batch-1 tok/s: decode tokens "

@@ -37,8 +37,19 @@ def timed(fn: Callable[[], object]) -> float:
 
 
 def machine_line() -> str:
+    """The machine a figure was taken on, the native kernels' ISA build included."""
     return (f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-            f"Python {platform.python_version()}")
+            f"Python {platform.python_version()}, {isa_line()}")
+
+
+def isa_line() -> str:
+    from kvloop import kernels
+    from kvloop.kernels import build
+
+    if not kernels.available():
+        return "native kernels: none (PyTorch only)"
+    return (f"native kernels: {kernels.native_module().compiled_isa()} build "
+            f"(CPU runs {', '.join(build.cpu_isas())})")
 
 
 def write_section(path: Path, name: str, body: str) -> None:
