@@ -189,8 +189,9 @@ class KvloopEngine:
         return int(self.llm.engine.model.decode_read_bytes())
 
     def info(self) -> dict[str, Any]:
-        kv = self.llm.engine.runner.kv_caches or []
-        return {"kv_pool_mib": sum(t.numel() * t.element_size() for t in kv) / 2**20}
+        # Layers of different KV cache groups share tensors (kv_cache.py): count each once.
+        kv = {t.data_ptr(): t for t in self.llm.engine.runner.kv_caches or []}
+        return {"kv_pool_mib": sum(t.numel() * t.element_size() for t in kv.values()) / 2**20}
 
 
 class TransformersEngine:
