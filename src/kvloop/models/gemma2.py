@@ -15,20 +15,16 @@ from dataclasses import replace
 
 import numpy as np
 import torch
-from torch import nn
 
 from kvloop.config import ModelConfig
 from kvloop.errors import ModelLoadError
-from kvloop.models import gemma3
+from kvloop.models import gemma3, llama
 from kvloop.models.attention import (
     AttentionMetadata,
     flat_kv_index,
     map_groups,
-    paged_attention,
 )
 from kvloop.models.base import Architecture, ConfigReader, Dim
-from kvloop.models.linear import Linear
-from kvloop.models.rope import RotaryEmbedding
 
 SLIDING, FULL = gemma3.SLIDING, gemma3.FULL
 ROPE_THETA = 10_000.0  # Gemma2Config's default
@@ -36,38 +32,8 @@ SLIDING_WINDOW = 4096
 QUERY_PRE_ATTN_SCALAR = 256.0
 
 
-class Gemma2Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                               bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size)
-        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
-        self.softcap = config.attn_logit_softcapping
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D]
-        kv_cache: torch.Tensor | None,  # [2, Hkv, slots, D]
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        T = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, q + 2kv]
-        qk_size = self.q_size + self.kv_size
-        qk = qkv[:, :qk_size].reshape(T, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = RotaryEmbedding.rotate(qk, *rope)  # queries and keys rotated in one pass
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = qkv[:, qk_size:].view(T, self.num_kv_heads, self.head_dim)
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.softcap)  # [T, H, D]
-        return self.o_proj(o.reshape(T, self.q_size))
-
-
 class Gemma2DecoderLayer(gemma3.DecoderLayer):
-    attention_cls = Gemma2Attention
+    attention_cls = llama.Attention  # no QK-norm; the scale and softcap come from the config
 
 
 class Gemma2ForCausalLM(gemma3.Gemma3ForCausalLM):

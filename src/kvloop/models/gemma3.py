@@ -29,7 +29,8 @@ from torch import nn
 
 from kvloop.config import ModelConfig
 from kvloop.errors import ModelLoadError
-from kvloop.models.attention import AttentionMetadata, layer_metadata, paged_attention
+from kvloop.models import llama
+from kvloop.models.attention import AttentionMetadata, layer_metadata
 from kvloop.models.base import Architecture, ConfigReader, Dim, config_dims
 from kvloop.models.linear import Linear
 from kvloop.models.rope import RotaryEmbedding
@@ -64,48 +65,20 @@ class GemmaRMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.scale, self.eps)
 
 
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
-        self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
-                               bias=config.attention_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size)
-        self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
+class Attention(llama.Attention):
+    """Llama's attention with (1 + w) QK-norm; its scale is query_pre_attn_scalar**-0.5."""
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D]
-        kv_cache: torch.Tensor | None,  # [2, Hkv, slots, D]
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        T = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, q + 2kv]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim))  # [T, H, D]
-        k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
-        q = RotaryEmbedding.rotate(q, *rope)
-        k = RotaryEmbedding.rotate(k, *rope)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
-        return self.o_proj(o.reshape(T, self.q_size))
+    qk_norm_cls = GemmaRMSNorm
 
 
-class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.inter = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * self.inter)
-        self.down_proj = Linear(self.inter, config.hidden_size)
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # [T, I] each
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+class MLP(llama.MLP):
+    """GeGLU with tanh-approximated GELU."""
+
+    act = staticmethod(gelu_tanh)
 
 
 class DecoderLayer(nn.Module):

@@ -42,6 +42,14 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    """Grouped-query attention with rope over the paged KV cache; the variants of the other
+    families are settings of it: QK-norm (`qk_norm_cls`, Qwen3 and Gemma 3), the scale
+    (config.query_pre_attn_scalar, Gemma) and score softcapping (Gemma 2)."""
+
+    # A per-head norm of queries and keys before rope, built as cls(head_dim, eps); None:
+    # no QK-norm.
+    qk_norm_cls: Callable[[int, float], nn.Module] | None = None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
@@ -50,7 +58,11 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size,
                                bias=config.attention_bias)
         self.o_proj = Linear(self.q_size, config.hidden_size)
-        self.scale = self.head_dim**-0.5
+        self.scale = (config.query_pre_attn_scalar or self.head_dim) ** -0.5
+        self.softcap = config.attn_logit_softcapping
+        if self.qk_norm_cls is not None:
+            self.q_norm = self.qk_norm_cls(self.head_dim, config.rms_norm_eps)
+            self.k_norm = self.qk_norm_cls(self.head_dim, config.rms_norm_eps)
 
     def forward(
         self,
@@ -63,14 +75,21 @@ class Attention(nn.Module):
         T = x.shape[0]
         qk_size = self.q_size + self.kv_size
         qk = qkv[:, :qk_size].reshape(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.qk_norm_cls is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         qk = RotaryEmbedding.rotate(qk, *rope)  # queries and keys rotated in one pass
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, qk_size:].view(T, self.num_kv_heads, self.head_dim)
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
+        o = paged_attention(q, k, v, kv_cache, meta, self.scale, self.softcap)  # [T, H, D]
         return self.o_proj(o.reshape(T, self.q_size))
 
 
 class MLP(nn.Module):
+    """Gated MLP: down(act(gate) * up); SwiGLU here, a family may set another `act`."""
+
+    act: Callable[[torch.Tensor], torch.Tensor] = staticmethod(F.silu)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.inter = config.intermediate_size
@@ -79,7 +98,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -7,38 +7,13 @@ no q/k/v biases. The C++ decode step has no QK-norm, so Qwen3 runs on the module
 
 from __future__ import annotations
 
-import torch
-
 from kvloop.config import ModelConfig
 from kvloop.models import llama
-from kvloop.models.attention import AttentionMetadata, paged_attention
 from kvloop.models.base import Architecture, ConfigReader, Dim, config_dims
-from kvloop.models.rope import RotaryEmbedding
 
 
 class Qwen3Attention(llama.Attention):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__(config)
-        self.q_norm = llama.RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = llama.RMSNorm(self.head_dim, config.rms_norm_eps)
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D]
-        kv_cache: torch.Tensor | None,  # [2, Hkv, slots, D]
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        T = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, q + 2kv]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.reshape(T, self.num_heads, self.head_dim))  # [T, H, D]
-        k = self.k_norm(k.reshape(T, self.num_kv_heads, self.head_dim))  # [T, Hkv, D]
-        qk = RotaryEmbedding.rotate(torch.cat([q, k], dim=1), *rope)  # one pass for both
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        v = v.reshape(T, self.num_kv_heads, self.head_dim)
-        o = paged_attention(q, k, v, kv_cache, meta, self.scale)  # [T, H, D]
-        return self.o_proj(o.reshape(T, self.q_size))
+    qk_norm_cls = llama.RMSNorm
 
 
 class Qwen3DecoderLayer(llama.DecoderLayer):
