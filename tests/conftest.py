@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 
@@ -240,3 +241,22 @@ def inject_forward_failure(engine: LLMEngine, at_step: int, seen: list[set[str]]
         raise RuntimeError("injected forward failure")
 
     engine.runner.execute = execute  # type: ignore[method-assign]
+
+
+def add_bpe_tokenizer(w: gguf.GGUFWriter, hf_dir: Path) -> None:
+    """Write a tiny model's byte-level BPE tokenizer (tokenizer.json, as _train_tokenizer
+    makes it) into a gguf.GGUFWriter as tokenizer.ggml.* keys, as llama.cpp's converter
+    does: tokens by id, special ones as CONTROL, merges, BOS 0 and EOS 1."""
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab: dict[str, int] = tok["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {a["id"] for a in tok["added_tokens"] if a["special"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+                       for i in range(len(tokens))])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m)
+                        for m in tok["model"]["merges"]])
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)

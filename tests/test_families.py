@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import require_native_kernels
+from conftest import add_bpe_tokenizer, require_native_kernels
 from kvloop import LLM, SamplingParams
 from kvloop.errors import ModelLoadError
 from kvloop.loading.loader import Checkpoint, load_checkpoint
@@ -384,19 +384,7 @@ def convert_to_gguf(hf_dir: Path, out: Path, arch: str,
     if extra is not None:
         extra(w)
 
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    vocab: dict[str, int] = tok["model"]["vocab"]
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    special = {a["id"] for a in tok["added_tokens"] if a["special"]}
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
-                       for i in range(len(tokens))])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m)
-                        for m in tok["model"]["merges"]])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
+    add_bpe_tokenizer(w, hf_dir)
 
     gemma = arch.startswith("gemma")
     names = GGUF_LAYER_NAMES[arch]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import write_tiny_gemma3
+from conftest import add_bpe_tokenizer, write_tiny_gemma3
 from kvloop import LLM, SamplingParams
 from kvloop.errors import ModelLoadError
 from kvloop.loading.loader import load_checkpoint
@@ -329,19 +329,7 @@ def convert_hf_gemma3(hf_dir: Path, out: Path, window: bool = True) -> Path:
     if window:
         w.add_sliding_window(cfg["sliding_window"])
 
-    tok = json.loads((hf_dir / "tokenizer.json").read_text())
-    vocab: dict[str, int] = tok["model"]["vocab"]
-    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
-    special = {a["id"] for a in tok["added_tokens"] if a["special"]}
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
-                       for i in range(len(tokens))])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m)
-                        for m in tok["model"]["merges"]])
-    w.add_bos_token_id(0)
-    w.add_eos_token_id(1)
+    add_bpe_tokenizer(w, hf_dir)
 
     sd = load_file(str(hf_dir / "model.safetensors"))
 

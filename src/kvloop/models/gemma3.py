@@ -239,29 +239,18 @@ class Gemma3ForCausalLM(nn.Module):
 
 
 def gemma3_tensor_shapes(c: ModelConfig) -> dict[str, tuple[Dim, ...]]:
-    """HF name -> expected shape of every tensor a Gemma 3 checkpoint must hold."""
+    """HF name -> expected shape of every tensor a Gemma 3 checkpoint must hold: Llama's,
+    and per layer the norms around the MLP and the QK-norm weights."""
     d = config_dims(c)
-    V, H, Q, KV, FF, D = d["V"], d["H"], d["Q"], d["KV"], d["FF"], d["D"]
-    shapes: dict[str, tuple[Dim, ...]] = {
-        "model.embed_tokens.weight": (V, H), "model.norm.weight": (H,),
-    }
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (V, H)
+    H, D = d["H"], d["D"]
+    shapes = llama.llama_tensor_shapes(c)
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
         shapes |= {
-            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
             p + "pre_feedforward_layernorm.weight": (H,),
             p + "post_feedforward_layernorm.weight": (H,),
             p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,),
-            p + "self_attn.q_proj.weight": (Q, H), p + "self_attn.k_proj.weight": (KV, H),
-            p + "self_attn.v_proj.weight": (KV, H), p + "self_attn.o_proj.weight": (H, Q),
-            p + "mlp.gate_proj.weight": (FF, H), p + "mlp.up_proj.weight": (FF, H),
-            p + "mlp.down_proj.weight": (H, FF),
         }
-        if c.attention_bias:
-            shapes |= {p + "self_attn.q_proj.bias": (Q,), p + "self_attn.k_proj.bias": (KV,),
-                       p + "self_attn.v_proj.bias": (KV,)}
     return shapes
 
 

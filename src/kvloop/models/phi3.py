@@ -24,23 +24,20 @@ class Phi3ForCausalLM(llama.LlamaForCausalLM):
 
 
 def phi3_tensor_shapes(c: ModelConfig) -> dict[str, tuple[Dim, ...]]:
-    """HF name -> expected shape of every tensor a Phi-3 checkpoint must hold."""
-    d = config_dims(c)
-    V, H, Q, FF = d["V"], d["H"], d["Q"], d["FF"]
+    """Llama's tensors, with q/k/v and gate/up each stored as one fused tensor; no q/k/v
+    biases (_hf_config refuses them)."""
+    H = config_dims(c)["H"]
     QKV: Dim = (c.q_size + 2 * c.kv_size, ("num_heads", "num_kv_heads", "head_dim"))
     FF2: Dim = (2 * c.intermediate_size, ("intermediate_size",))
-    shapes: dict[str, tuple[Dim, ...]] = {
-        "model.embed_tokens.weight": (V, H), "model.norm.weight": (H,),
-    }
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (V, H)
+    shapes = llama.llama_tensor_shapes(c)
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
-            p + "self_attn.qkv_proj.weight": (QKV, H), p + "self_attn.o_proj.weight": (H, Q),
-            p + "mlp.gate_up_proj.weight": (FF2, H), p + "mlp.down_proj.weight": (H, FF),
-        }
+        for part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                     "mlp.gate_proj", "mlp.up_proj"):
+            del shapes[f"{p}{part}.weight"]
+            shapes.pop(f"{p}{part}.bias", None)
+        shapes |= {p + "self_attn.qkv_proj.weight": (QKV, H),
+                   p + "mlp.gate_up_proj.weight": (FF2, H)}
     return shapes
 
 
