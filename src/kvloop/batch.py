@@ -27,6 +27,9 @@ class ScheduledSeq:
     # will fork from this one once its prompt is in the cache.
     fork_samples: list[tuple[str, SamplingParams]] = field(default_factory=list)
     num_draft: int = 0  # trailing draft tokens in token_ids: sample at each of them too
+    # The drafts are the grammar's forced tokens (jump-forward), not a proposer's guesses:
+    # counted apart from speculation's.
+    forced: bool = False
     # The block tables of KV cache groups 1.. (sliding-window layers; block_ids is group
     # 0's); empty for a one-group cache. A dropped entry reads as block 0, never attended.
     group_block_ids: tuple[list[int], ...] = ()

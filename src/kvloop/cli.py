@@ -192,6 +192,8 @@ def _figures(metrics: dict[str, Any]) -> str:
     tps = metrics.get("decode_tokens_per_s")
     accepted = metrics.get("mean_accepted_length")
     spec = f" | {accepted:.2f} tokens/step accepted" if accepted else ""
+    if metrics.get("forced_tokens"):
+        spec += f" | {metrics['forced_tokens']} forced by the grammar"
     return (f"[TTFT {ttft * 1000:.0f} ms | decode {tps or 0:.1f} tok/s | "
             f"{metrics['output_tokens']} tokens | "
             f"{metrics['positions_processed']} positions processed{spec}]")

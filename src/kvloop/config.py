@@ -170,13 +170,18 @@ class EngineConfig:
     # With more sequences decoding than this, nobody drafts: the step is compute-bound
     # already, and draft rows would cost more than the steps they save.
     speculative_max_batch: int = 8
+    # Structured output: where the grammar allows one continuation (a JSON key and its
+    # punctuation), run those tokens in one step as drafts instead of one step each
+    # (same output). False: one token a step, the reference.
+    jump_forward: bool = True
     # A jinja2 chat template (its text) used instead of the checkpoint's own: for models
     # that ship none (base models such as Gemma 3 270M) or a wrong one. The CLI's
     # --chat-template reads it from a file. Checked at load like the file's own.
     chat_template: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("use_cache", "enable_prefix_caching", "pack_weights", "use_kernels"):
+        for name in ("use_cache", "enable_prefix_caching", "pack_weights", "use_kernels",
+                     "jump_forward"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "true or false")
         _check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)

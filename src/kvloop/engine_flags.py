@@ -50,6 +50,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "models such as Gemma 3 270M ship none)")
     g.add_argument("--speculative-max-batch", type=int, default=8,
                    help="with more sequences decoding at once, none drafts (default 8)")
+    g.add_argument("--no-jump-forward", action="store_true",
+                   help="structured output: sample every token, even those the grammar "
+                        "forces (by default they run in one step; the output is the same)")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -64,6 +67,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,
         "ngram_min": args.ngram_min, "ngram_max": args.ngram_max,
         "speculative_max_batch": args.speculative_max_batch,
+        "jump_forward": not args.no_jump_forward,
     }
     if args.chat_template is not None:
         options["chat_template"] = read_chat_template(args.chat_template)

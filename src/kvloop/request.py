@@ -47,6 +47,8 @@ class RequestMetrics:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_spec_steps: int = 0  # steps that verified drafts
+    # Jump-forward: tokens a grammar forced that the model accepted (they ran as drafts).
+    num_forced_tokens: int = 0
 
     @property
     def mean_accepted_length(self) -> float | None:
@@ -100,6 +102,7 @@ class RequestMetrics:
             "draft_tokens": self.num_draft_tokens,
             "accepted_tokens": self.num_accepted_tokens,
             "mean_accepted_length": self.mean_accepted_length,
+            "forced_tokens": self.num_forced_tokens,
         }
 
 
@@ -135,6 +138,7 @@ class Request:
         # the next token and are verified against the model; none is part of the output
         # until accepted.
         self.spec_token_ids: list[int] = []
+        self.spec_forced = False  # the drafts are the grammar's forced tokens (jump-forward)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -150,8 +150,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput,
                 allowed: dict[str, torch.Tensor] | None = None) -> RunnerOutput:
-        """Run the step. `allowed`: per sequence under a grammar, the bitmask of tokens it
-        may sample this step (see SamplingRow.allowed)."""
+        """Run the step. `allowed`: per sequence under a grammar, the bitmasks of tokens it
+        may sample this step ([1 + num_draft, ceil(V / 32)] int32: row i after its token
+        and drafts[:i]; see SamplingRow.allowed)."""
         allowed = allowed or {}
         for rid in sched.finished_ids:
             self._generators.pop(rid, None)
@@ -176,15 +177,17 @@ class ModelRunner:
                 continue
             if s.num_draft:
                 spec_hidden.extend(range(last - s.num_draft, last + 1))
-                spec_rows.extend(self._draft_rows(s))
+                spec_rows.extend(self._draft_rows(s, allowed.get(s.request_id)))
                 spec_drafts.append(s.draft_token_ids)
                 spec_ids.append(s.request_id)
                 continue
+            masks = allowed.get(s.request_id)
+            # n > 1 siblings not yet forked share their parent's grammar state.
             for rid, params in [(s.request_id, s.params), *s.fork_samples]:
                 hidden_rows.append(last)
                 rows.append(SamplingRow(params, s.prompt_ids, s.output_ids,
                                         self._generator(rid, params), s.suppress_ids,
-                                        allowed.get(s.request_id)))
+                                        masks[0] if masks is not None else None))
                 ids_out.append(rid)
         if not rows and not spec_rows:
             return RunnerOutput({}, num_tokens, prompt_lps)
@@ -253,9 +256,10 @@ class ModelRunner:
             return self.decoder.logits(hidden)  # type: ignore[no-any-return]
         return self.model.compute_logits(hidden)
 
-    def _draft_rows(self, s: ScheduledSeq) -> list[SamplingRow]:
+    def _draft_rows(self, s: ScheduledSeq, masks: torch.Tensor | None) -> list[SamplingRow]:
         """The k + 1 sampling rows of a sequence with k drafts: row i follows the output
-        so far plus drafts[:i], which its penalties and min_tokens see as history."""
+        so far plus drafts[:i], which its penalties, min_tokens and grammar mask
+        (masks[i], [ceil(V / 32)]) see as history."""
         p = s.params
         gen = self._generator(s.request_id, p)
         drafts = s.draft_token_ids
@@ -265,7 +269,8 @@ class ModelRunner:
         for i in range(len(drafts) + 1):
             history = [*s.output_ids, *drafts[:i]] if uses_history and i else s.output_ids
             suppress = s.suppress_ids if len(s.output_ids) + i < p.min_tokens else ()
-            rows.append(SamplingRow(p, s.prompt_ids, history, gen, suppress))
+            rows.append(SamplingRow(p, s.prompt_ids, history, gen, suppress,
+                                    masks[i] if masks is not None else None))
         return rows
 
     def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, int]:

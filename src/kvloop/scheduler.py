@@ -47,6 +47,7 @@ class SchedulerStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_step: tuple[int, ...] = ()
+    num_forced_tokens: int = 0  # jump-forward: grammar-forced tokens the model accepted
 
 
 class Scheduler:
@@ -61,6 +62,7 @@ class Scheduler:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_per_step: list[int] = []
+        self.num_forced_tokens = 0
 
     # -- queue management -------------------------------------------------------------------
     def check_fits(self, request: Request) -> None:
@@ -121,7 +123,8 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.stats(),
                               self.num_preemptions, self.num_draft_tokens,
-                              self.num_accepted_tokens, tuple(self.accepted_per_step))
+                              self.num_accepted_tokens, tuple(self.accepted_per_step),
+                              self.num_forced_tokens)
 
     # -- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -213,14 +216,19 @@ class Scheduler:
                                  f"accepted")
             req.num_computed_tokens = seq.context_len - (seq.num_draft - accepted)
             m = req.metrics
-            m.num_draft_tokens += seq.num_draft
-            m.num_accepted_tokens += accepted
-            m.num_spec_steps += 1
-            self.num_draft_tokens += seq.num_draft
-            self.num_accepted_tokens += accepted
-            if len(self.accepted_per_step) <= accepted:
-                self.accepted_per_step.extend([0] * (accepted + 1 - len(self.accepted_per_step)))
-            self.accepted_per_step[accepted] += 1
+            if seq.forced:
+                m.num_forced_tokens += accepted
+                self.num_forced_tokens += accepted
+            else:
+                m.num_draft_tokens += seq.num_draft
+                m.num_accepted_tokens += accepted
+                m.num_spec_steps += 1
+                self.num_draft_tokens += seq.num_draft
+                self.num_accepted_tokens += accepted
+                if len(self.accepted_per_step) <= accepted:
+                    self.accepted_per_step.extend(
+                        [0] * (accepted + 1 - len(self.accepted_per_step)))
+                self.accepted_per_step[accepted] += 1
             self.kv.truncate(req.request_id, req.num_computed_tokens)
             # The accepted drafts are committed tokens, though the engine appends them to
             # the request's output only after this.
@@ -261,6 +269,7 @@ class Scheduler:
             output_ids=req.output_token_ids,
             suppress_ids=req.suppressed_token_ids(),
             num_draft=num_draft,
+            forced=num_draft > 0 and req.spec_forced,
         )
         if seq.sample and req.fork_samples:
             seq.fork_samples = list(req.fork_samples)
@@ -277,6 +286,7 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.spec_token_ids = []
+        req.spec_forced = False
         req.status = RequestStatus.PREEMPTED
         req.metrics.num_preemptions += 1
         self.num_preemptions += 1

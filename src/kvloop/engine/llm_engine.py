@@ -25,7 +25,7 @@ from kvloop.config import EngineConfig, ModelConfig
 from kvloop.engine.detokenizer import IncrementalDetokenizer
 from kvloop.engine.output_state import SeqOutputState
 from kvloop.engine.outputs import CompletionOutput, RequestOutput
-from kvloop.engine.structured import GrammarCompiler
+from kvloop.engine.structured import GrammarCompiler, LLMatcher
 from kvloop.errors import InvalidParamsError, ModelLoadError, PromptTooLongError
 from kvloop.kv_cache import KVCacheManager, blocks_for_sequence
 from kvloop.loading.loader import Checkpoint, load_checkpoint
@@ -186,6 +186,7 @@ class LLMEngine:
         # decode (the step is compute-bound: draft rows would cost more than they save).
         self.proposer = self._make_proposer()
         self.grammars = GrammarCompiler(self.tokenizer, c.vocab_size, self.eos_token_ids())
+        self.jump_forward = ec.jump_forward
         self.num_speculative_tokens = ec.num_speculative_tokens
         self.spec_max_batch = ec.speculative_max_batch
         self._spec: dict[str, _SpecState] = {}  # per sequence that has drafted
@@ -319,6 +320,8 @@ class LLMEngine:
         self.scheduler.add_request(first)
         self._seq_to_group[first_id] = group
         self._groups[request_id] = group
+        if group.beam is None and self._draft_room(first) > 0:
+            self._force(first, self._draft_room(first))  # `{"name": ` rides on the prompt
         return request_id
 
     @staticmethod
@@ -404,56 +407,73 @@ class LLMEngine:
                 self._forget(group)
         if self.proposer is not None:
             self._adapt_draft_lengths(sched, accepted)
+        if self.proposer is not None or self.jump_forward:
             self._propose_drafts()
         return outputs
 
+    def _matcher(self, seq_id: str) -> LLMatcher | None:
+        group = self._seq_to_group.get(seq_id)
+        if group is None or group.params.structured is None:
+            return None
+        return next((q.matcher for q in group.seqs if q.request_id == seq_id), None)
+
     def _grammar_masks(self, sched: SchedulerOutput) -> dict[str, torch.Tensor]:
-        """The allowed-token bitmask of every sequence under a grammar that samples now."""
+        """The allowed-token bitmasks of every sequence under a grammar that samples now:
+        [1 + num_draft, ceil(V / 32)], one row per token it may gain this step."""
         masks = {}
         for s in sched.seqs:
-            group = self._seq_to_group.get(s.request_id) if s.sample else None
-            if group is None or group.params.structured is None:
-                continue
-            seq = next(q for q in group.seqs if q.request_id == s.request_id)
-            if seq.matcher is not None:
-                masks[s.request_id] = self.grammars.fill_mask(seq.matcher)
+            matcher = self._matcher(s.request_id) if s.sample else None
+            if matcher is not None:
+                masks[s.request_id] = self.grammars.fill_masks(matcher, s.draft_token_ids)
         return masks
 
     def _adapt_draft_lengths(self, sched: SchedulerOutput, accepted: dict[str, int]) -> None:
         """Each sequence's next draft length follows its acceptance (see _SpecState)."""
         for s in sched.seqs:
-            if s.num_draft:
+            if s.num_draft and not s.forced:
                 state = self._spec.setdefault(s.request_id,
                                               _SpecState(self.num_speculative_tokens))
                 state.update(s.num_draft, accepted.get(s.request_id, 0),
                              self.num_speculative_tokens)
 
     def _propose_drafts(self) -> None:
-        """Drafts for the next step, for every sequence that will decode in it."""
-        assert self.proposer is not None
+        """Drafts for the next step, for every sequence that will decode in it.
+
+        A sequence under a grammar first takes the grammar's forced tokens (jump-forward):
+        where the schema allows one continuation (a key, its quotes and colon) they run
+        as drafts, so the model writes them in one step instead of one step each. They are
+        verified like any draft: the output is the same tokens as one-at-a-time constrained
+        decoding, and the forward had to run them anyway to write their keys and values.
+        Otherwise the proposer guesses (speculative decoding), cut where the grammar would
+        refuse a guess.
+        """
         running = self.scheduler.running
-        speculate = len(running) <= self.spec_max_batch
+        speculate = self.proposer is not None and len(running) <= self.spec_max_batch
         asks: list[tuple[Request, DraftRequest]] = []
         for req in running:
-            req.spec_token_ids = []
-            if not speculate or req.num_computed_tokens != req.num_tokens - 1:
-                continue  # compute-bound batch, or still prefilling
+            req.spec_token_ids, req.spec_forced = [], False
             group = self._seq_to_group.get(req.request_id)
+            if group is None or group.beam is not None:
+                continue  # beam search ranks whole beams
             p = req.params
-            if (group is None or group.beam is not None or not p.speculative
-                    or p.structured is not None):
-                continue  # beam search ranks whole beams; grammars mask one token a step
-            # Never draft past max_tokens (the step's own token counts too) or the context.
+            room = self._draft_room(req)
+            # Forced tokens follow the matcher, which has seen every token: they can ride
+            # on a prompt's last chunk too. A proposer continues from the last token.
+            if room > 0 and self._force(req, room):
+                continue
+            if req.num_computed_tokens != req.num_tokens - 1:
+                continue  # still prefilling
+            if not speculate or not p.speculative:
+                continue  # compute-bound batch, or the request opted out
             state = self._spec.get(req.request_id)
-            k = min(state.next_k() if state else self.num_speculative_tokens,
-                    p.max_tokens - len(req.output_token_ids) - 1,
-                    self.max_model_len - req.num_tokens)
+            k = min(state.next_k() if state else self.num_speculative_tokens, room)
             if p.num_speculative_tokens is not None:
                 k = min(k, p.num_speculative_tokens)
             if k > 0:
                 asks.append((req, DraftRequest(req.request_id, req.all_token_ids, k)))
         if not asks:
             return
+        assert self.proposer is not None
         try:
             drafts = self.proposer.propose([a for _, a in asks])
         except Exception:  # a proposer's failure costs speed, never a request
@@ -462,7 +482,29 @@ class LLMEngine:
                 self.proposer.release(req.request_id)
             return
         for (req, ask), d in zip(asks, drafts, strict=True):
-            req.spec_token_ids = list(d[:ask.k])
+            d = list(d[:ask.k])
+            matcher = self._matcher(req.request_id)
+            if matcher is not None:  # a guess the grammar refuses is a wasted row
+                d = d[:self.grammars.valid_prefix(matcher, d)]
+            req.spec_token_ids = d
+
+    def _draft_room(self, req: Request) -> int:
+        """Drafts `req` may run: never past max_tokens (the step's own token counts too)
+        or the context."""
+        return min(req.params.max_tokens - len(req.output_token_ids) - 1,
+                   self.max_model_len - req.num_tokens)
+
+    def _force(self, req: Request, room: int) -> bool:
+        """Jump-forward: give `req` its grammar's forced tokens (at most `room`) as drafts;
+        False when it has none."""
+        if not self.jump_forward or req.fork_samples:
+            return False  # n > 1 siblings still sample from this sequence's row
+        matcher = self._matcher(req.request_id)
+        forced = self.grammars.forced_tokens(matcher)[:room] if matcher is not None else []
+        if not forced:
+            return False
+        req.spec_token_ids, req.spec_forced = forced, True
+        return True
 
     def _advance(self, group: _Group, sampled: dict[str, list[SampledToken]],
                  now: float) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 import llguidance as llg
 import torch
@@ -25,7 +26,15 @@ from kvloop.errors import InvalidParamsError
 from kvloop.loading.tokenizer import Tokenizer
 from kvloop.params import StructuredOutput
 
+LLMatcher = llg.LLMatcher  # one request's grammar state (the engine's handle on it)
+
 MAX_CACHED_GRAMMARS = 256  # validated grammar texts kept (by text)
+# JSON is written compactly, as OpenAI's API returns it: one space after ':' and ','
+# and none elsewhere. Free whitespace would let a small model pad with newlines until
+# max_tokens, and fixing it leaves whole runs of a schema's text (keys, punctuation)
+# with a single continuation, which jump-forward then appends without sampling.
+JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ",
+                     "key_separator": ": "}  # llguidance's JsonCompileOptions
 
 
 def grammar_text(so: StructuredOutput) -> str:
@@ -33,10 +42,11 @@ def grammar_text(so: StructuredOutput) -> str:
     if so.json_schema is not None:
         schema = (so.json_schema if isinstance(so.json_schema, dict)
                   else _parse_schema(so.json_schema))
-        return llg.LLMatcher.grammar_from_json_schema(schema)  # type: ignore[no-any-return]
+        return llg.LLMatcher.grammar_from_json_schema(  # type: ignore[no-any-return]
+            schema, defaults=JSON_OPTIONS)
     if so.json_object:
         return llg.LLMatcher.grammar_from_json_schema(  # type: ignore[no-any-return]
-            {"type": "object"})
+            {"type": "object"}, defaults=JSON_OPTIONS)
     if so.regex is not None:
         return llg.LLMatcher.grammar_from_regex(so.regex)  # type: ignore[no-any-return]
     if so.choice is not None:
@@ -87,11 +97,35 @@ class GrammarCompiler:
             raise InvalidParamsError(f"structured output: {m.get_error()}", param="structured")
         return m
 
-    def fill_mask(self, m: llg.LLMatcher) -> torch.Tensor:
-        """The tokens `m` allows next, as a bitmask: [ceil(V / 32)] int32."""
-        mask = torch.empty(1, (self.vocab_size + 31) // 32, dtype=torch.int32)
-        fill_next_token_bitmask(m, mask)
-        return mask[0]
+    def fill_masks(self, m: llg.LLMatcher, drafts: Sequence[int] = ()) -> torch.Tensor:
+        """The tokens `m` allows next, and after each draft token: [1 + len(drafts),
+        ceil(V / 32)] int32 bitmasks. Row i is the mask after drafts[:i]; `m` is left as it
+        was. Past a draft the grammar refuses (the model rejects it, as its mask bans it)
+        the rows repeat the last mask: they are never sampled, but must be finite."""
+        masks = torch.empty(1 + len(drafts), (self.vocab_size + 31) // 32, dtype=torch.int32)
+        fill_next_token_bitmask(m, masks, 0)
+        consumed = 0
+        for i, token in enumerate(drafts, start=1):
+            if consumed == i - 1 and m.try_consume_tokens([token]) == 1:
+                consumed += 1
+                fill_next_token_bitmask(m, masks, i)
+            else:
+                masks[i] = masks[i - 1]
+        if consumed:
+            m.rollback(consumed)
+        return masks
+
+    @staticmethod
+    def forced_tokens(m: llg.LLMatcher) -> list[int]:
+        """Tokens the grammar allows as the only continuation here (jump-forward). The
+        library leaves out a last token that a longer token could still extend (the
+        forced text `": "` may end a token that the next free text continues)."""
+        return list(m.compute_ff_tokens())
+
+    @staticmethod
+    def valid_prefix(m: llg.LLMatcher, drafts: Sequence[int]) -> int:
+        """How many leading draft tokens the grammar allows."""
+        return int(m.validate_tokens(list(drafts))) if drafts else 0
 
     def _check(self, text: str) -> str | None:
         if text in self._checked:

@@ -75,6 +75,10 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("kvloop_spec_accepted_tokens",
                                   "Speculative draft tokens the model accepted.",
                                   st.num_accepted_tokens)
+        yield CounterMetricFamily("kvloop_forced_tokens",
+                                  "Structured output: tokens the grammar forced that ran "
+                                  "without a step of their own (jump-forward).",
+                                  st.num_forced_tokens)
         # Drafts accepted per verifying step, as a histogram with one bucket per count.
         steps = st.accepted_per_step
         cumulative, buckets = 0, []
