@@ -27,6 +27,9 @@ from kvloop.loading.tokenizer import Tokenizer
 from kvloop.params import StructuredOutput
 
 LLMatcher = llg.LLMatcher  # one request's grammar state (the engine's handle on it)
+# Fixed text longer than this at a grammar's start is refused: llguidance stops computing
+# forced text at ~25,000 bytes, which only a rule that never ends reaches.
+MAX_FORCED_BYTES = 16384
 
 MAX_CACHED_GRAMMARS = 256  # validated grammar texts kept (by text)
 # JSON is written compactly, as OpenAI's API returns it: one space after ':' and ','
@@ -56,6 +59,15 @@ def grammar_text(so: StructuredOutput) -> str:
             f"start: {alternatives}")
     assert so.grammar is not None
     return llg.LLMatcher.grammar_from_lark(so.grammar)  # type: ignore[no-any-return]
+
+
+def one_line(message: str) -> str:
+    """llguidance's multi-line message as one line: its first line and its `error:` lines
+    ('regex parse error: ... error: unclosed group'); the source excerpts are dropped."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return "invalid grammar"
+    return " ".join([lines[0], *(line for line in lines[1:] if line.startswith("error:"))])
 
 
 def _parse_schema(text: str) -> dict:
@@ -88,13 +100,15 @@ class GrammarCompiler:
         except InvalidParamsError:
             raise
         except Exception as e:  # llguidance's own refusal of the schema or regex
-            raise InvalidParamsError(f"structured output: {e}", param="structured") from None
+            raise InvalidParamsError(f"structured output: {one_line(str(e))}",
+                                     param="structured") from None
         error = self._check(text)
         if error:
             raise InvalidParamsError(f"structured output: {error}", param="structured")
         m = llg.LLMatcher(self._ll_tokenizer(), text, log_level=0)
         if m.is_error():
-            raise InvalidParamsError(f"structured output: {m.get_error()}", param="structured")
+            raise InvalidParamsError(f"structured output: {one_line(m.get_error())}",
+                                     param="structured")
         return m
 
     def fill_masks(self, m: llg.LLMatcher, drafts: Sequence[int] = ()) -> torch.Tensor:
@@ -128,17 +142,32 @@ class GrammarCompiler:
         return int(m.validate_tokens(list(drafts))) if drafts else 0
 
     def _check(self, text: str) -> str | None:
+        """Why grammar `text` cannot serve a request, or None; remembered by text."""
         if text in self._checked:
             self._checked.move_to_end(text)
             return self._checked[text]
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
             text, self._ll_tokenizer())
-        error = (messages[0].strip().splitlines()[0] if messages else "invalid grammar"
-                 ) if is_error else None
+        error = (one_line(messages[0]) if messages else "invalid grammar") if is_error else None
+        if error is None:
+            error = self._probe(text)
         self._checked[text] = error
         if len(self._checked) > MAX_CACHED_GRAMMARS:
             self._checked.popitem(last=False)
         return error
+
+    def _probe(self, text: str) -> str | None:
+        """A grammar can be valid and still match no text the model could write: a regex
+        of an empty class fails at its first mask, and a rule that only ever recurses
+        forces text without end (the library stops computing it at a limit)."""
+        m = llg.LLMatcher(self._ll_tokenizer(), text, log_level=0)
+        self.fill_masks(m)
+        if m.is_error():
+            return f"it matches no text ({one_line(m.get_error())})"
+        if len(m.compute_ff_bytes()) >= MAX_FORCED_BYTES:
+            return (f"it forces more than {MAX_FORCED_BYTES} bytes of fixed text before any "
+                    f"choice (a rule that never ends matches no text)")
+        return None
 
     def _ll_tokenizer(self) -> llg.LLTokenizer:
         if self._ll is None:
