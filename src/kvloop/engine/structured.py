@@ -7,9 +7,9 @@ by benchmarks/bench_grammar_mask.py (BENCHMARKS.md): a new JSON schema compiles 
 against xgrammar's 9 ms (49k vocabulary) to 45 ms (262k), paid in the request's time to
 first token; per-step masks cost ~20-30 us against xgrammar's 2-4 us, both under 1% of a
 decode step; and it has no dependencies beyond its own wheel, where xgrammar brings triton
-into a CPU install. Grammars are compiled once per text and cached (bounded), a compiled matcher at the
-grammar's start kept per text; each sequence gets its own copy, which the engine advances
-as tokens are committed and which computes the masks of its draft rows.
+into a CPU install. Grammars are compiled once per text and cached (bounded): a matcher at
+the grammar's start is kept per text, and each sequence gets its own copy, which the
+engine advances as tokens are committed and which computes the masks of its draft rows.
 """
 
 from __future__ import annotations
