@@ -368,13 +368,15 @@ class Tokenizer:
         )
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Template, then encode without the automatic BOS: templates that want a BOS write
         it themselves. If the model needs one and the template did not write it, add it.
 
         The template's own special tokens become control ids; special-token strings inside
-        the messages (content, names) stay plain text, so a user cannot forge a turn.
+        the messages (content, names, tool calls) and the `tools` declarations (which reach
+        the template as its `tools` variable) stay plain text, so a user cannot forge a turn.
         """
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping):
@@ -384,20 +386,31 @@ class Tokenizer:
                 )
             for key, value in m.items():
                 _check_strings(value, f"messages[{i}].{key}")
-        escaped, forged = self._escape_specials(messages)
+        if tools is not None:
+            _check_strings(list(tools), "tools")
+        # The tools ride along as one more "message" so that one placeholder tag covers both.
+        with_tools = [*messages, {"tools": list(tools) if tools is not None else None}]
+        escaped_all, forged = self._escape_specials(with_tools)
+        escaped, escaped_tools = escaped_all[:-1], escaped_all[-1]["tools"]
         if not forged:
             # The usual case: no special-token text in any message, so the whole rendered
             # string encodes exactly as before (BPE merges across the template/content
             # boundaries included).
-            ids = self.encode(self.apply_chat_template(messages, add_generation_prompt), False,
+            ids = self.encode(self.apply_chat_template(messages, add_generation_prompt,
+                                                       **self._tools_var(tools)), False,
                               parse_special=True)
         else:
             ids = self._encode_escaped(
-                self.apply_chat_template(escaped, add_generation_prompt), forged
+                self.apply_chat_template(escaped, add_generation_prompt,
+                                         **self._tools_var(escaped_tools)), forged
             )
         if self.add_bos_token and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
         return ids
+
+    @staticmethod
+    def _tools_var(tools: Sequence[Mapping[str, Any]] | None) -> dict[str, Any]:
+        return {} if tools is None else {"tools": [dict(t) for t in tools]}
 
     def _escape_specials(
         self, messages: Sequence[Mapping[str, Any]]

@@ -115,10 +115,49 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # a JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    """A call the assistant made, in a history message (and in a response)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # accepted: required/named calls are always constrained
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -133,6 +172,9 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = None  # default true: several calls in one answer
 
 
 # --- responses ---------------------------------------------------------------------------------
@@ -197,9 +239,21 @@ class ChatLogprobs(_Out):
     content: list[TokenLogprob] | None = None
 
 
+class ResponseFunctionCall(_Out):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(_Out):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class AssistantMessage(_Out):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the answer is tool calls
+    tool_calls: list[ResponseToolCall] | None = None  # left out of the JSON when None
 
 
 class ChatChoice(_Out):
@@ -220,9 +274,25 @@ class ChatCompletionResponse(_Out):
     system_fingerprint: str | None = None
 
 
+class FunctionCallDelta(_Out):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(_Out):
+    """One streamed piece of a tool call: the first names it (index, id, type, function
+    name), later ones add to its arguments; the client joins them by index."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
 class ChatDelta(_Out):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Out):
@@ -292,5 +362,23 @@ def dump_chunk(chunk: BaseModel) -> str:
     data: dict[str, Any] = chunk.model_dump(mode="json")
     for choice in data.get("choices", []):
         if isinstance(choice.get("delta"), dict):
-            choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
+            choice["delta"] = _without_none(choice["delta"])
     return f"data: {dumps(data)}\n\n"
+
+
+def dump_chat_response(resp: ChatCompletionResponse) -> dict[str, Any]:
+    """A chat response as JSON: `tool_calls` only on messages that have them (OpenAI's
+    shape); `content` stays, null beside tool calls."""
+    data: dict[str, Any] = resp.model_dump(mode="json")
+    for choice in data["choices"]:
+        if choice["message"].get("tool_calls") is None:
+            choice["message"].pop("tool_calls", None)
+    return data
+
+
+def _without_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_none(v) for v in value]
+    return value

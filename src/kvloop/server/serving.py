@@ -49,13 +49,17 @@ from kvloop.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     PromptTokensDetails,
+    ResponseFunctionCall,
+    ResponseToolCall,
     SamplingRequest,
     TokenLogprob,
     TopLogprob,
     Usage,
+    dump_chat_response,
     dump_chunk,
 )
 from kvloop.server.protocol import SafeJSONResponse as JSONResponse
+from kvloop.server.tools import StreamedAnswer, ToolPlan, call_id, plan_tools, template_inputs
 
 logger = logging.getLogger("kvloop.server")
 
@@ -180,10 +184,10 @@ class OpenAIServing:
         self._check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-                    for m in req.messages]
+        plan = plan_tools(req, self.tokenizer.chat_template)
+        messages, tools = template_inputs(req.messages, plan)
         try:
-            ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages)
+            ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages, True, tools)
         except KvloopError as e:  # no template, a refused conversation, or unencodable text
             raise bad_request(str(e), "messages") from e
         limit = req.max_completion_tokens if req.max_completion_tokens is not None \
@@ -196,22 +200,39 @@ class OpenAIServing:
         self._check_context(ids, max_tokens, "messages", param)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._params(req, max_tokens, logprobs,
-                              {"logprobs": "top_logprobs", "max_tokens": param})
+                              {"logprobs": "top_logprobs", "max_tokens": param},
+                              forced=plan.structured)
         job = _Job(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, req.n)
-        job.structured_field = _constraint_field(req)
+        job.structured_field = "tools" if plan.structured else _constraint_field(req)
         await self._submit(job, req.priority, raw)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return self._sse(job, raw, self._chat_chunks(job, include_usage))
+            return self._sse(job, raw, self._chat_chunks(job, include_usage, plan))
         out = (await self._collect(job, raw))[0]
-        choices = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                              logprobs=self._chat_logprobs(*self._message_tokens(
-                                  c, c.token_ids, c.logprobs, c.top_logprobs)),
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                   for c in out.outputs]
+        choices = [self._chat_choice(c, plan) for c in out.outputs]
         resp = ChatCompletionResponse(id=job.request_id, model=self.model_name,
                                       choices=choices, usage=_usage([out]))
-        return JSONResponse(resp.model_dump(mode="json"), headers=_id_header(job))
+        return JSONResponse(dump_chat_response(resp), headers=_id_header(job))
+
+    def _chat_choice(self, c: CompletionOutput, plan: ToolPlan) -> ChatChoice:
+        ids, lps, tops = self._message_tokens(c, c.token_ids, c.logprobs, c.top_logprobs)
+        message, finish = AssistantMessage(content=c.text), c.finish_reason
+        if plan.mode != "none":
+            content, calls = plan.read(self._tool_text(plan, c, ids))
+            if calls:
+                message = AssistantMessage(content=content, tool_calls=[ResponseToolCall(
+                    id=call_id(), function=ResponseFunctionCall(
+                        name=call.name, arguments=call.arguments)) for call in calls])
+                finish = "tool_calls" if finish == "stop" else finish
+        return ChatChoice(index=c.index, message=message, logprobs=self._chat_logprobs(
+            ids, lps, tops), finish_reason=finish, stop_reason=c.stop_reason)
+
+    def _tool_text(self, plan: ToolPlan, c: CompletionOutput, message_ids: list[int]) -> str:
+        """The answer as the tool parser reads it: Mistral's [TOOL_CALLS] and Llama's
+        <|python_tag|> are special tokens, which the plain text leaves out."""
+        if plan.mode == "auto" and plan.fmt != "hermes":
+            return self.tokenizer.decode(message_ids, skip_special_tokens=False)
+        return c.text
 
     # -- checks and translation -----------------------------------------------------------------
     def _check_common(self, req: SamplingRequest) -> None:
@@ -289,8 +310,10 @@ class OpenAIServing:
         return out
 
     def _params(self, req: SamplingRequest, max_tokens: int, logprobs: int | None,
-                names: dict[str, str], prompt_logprobs: int | None = None) -> SamplingParams:
-        """SamplingParams from the request; unset fields keep the engine's defaults."""
+                names: dict[str, str], prompt_logprobs: int | None = None,
+                forced: StructuredOutput | None = None) -> SamplingParams:
+        """SamplingParams from the request; unset fields keep the engine's defaults.
+        `forced`: the constraint of a forced tool call, in place of the request's own."""
         kw: dict[str, Any] = {"max_tokens": max_tokens, "logprobs": logprobs,
                               "prompt_logprobs": prompt_logprobs,
                               "logit_bias": self._logit_bias(req.logit_bias), "seed": req.seed}
@@ -300,7 +323,7 @@ class OpenAIServing:
             value = getattr(req, name)
             if value is not None:
                 kw[name] = value
-        structured = _structured(req)
+        structured = ("tools", forced) if forced is not None else _structured(req)
         if structured is not None:
             field, kw["structured"] = structured
             names = {**names, "structured": field}
@@ -471,7 +494,8 @@ class OpenAIServing:
                 id=job.request_id, model=self.model_name, choices=[],
                 usage=_usage([finals[k] for k in sorted(finals)])))
 
-    async def _chat_chunks(self, job: _Job, include_usage: bool) -> AsyncIterator[str]:
+    async def _chat_chunks(self, job: _Job, include_usage: bool,
+                           plan: ToolPlan) -> AsyncIterator[str]:
         def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
             return dump_chunk(ChatCompletionChunk(id=job.request_id, model=self.model_name,
                                                   choices=choices, usage=usage))
@@ -480,13 +504,34 @@ class OpenAIServing:
         for i in range(job.choices_per_prompt):
             yield chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
         finals: dict[int, RequestOutput] = {}
+        answers: dict[int, StreamedAnswer] = {}
+        # Log-probs of tokens whose text is held back (a tool call being written): they go
+        # out with the next chunk the choice sends, so each token's is sent exactly once.
+        held: dict[int, list[TokenLogprob]] = {}
         async for d in self._deltas(job, finals):
+            answer = answers.setdefault(d.index, StreamedAnswer(plan))
+            content, calls = answer.feed(d.text)
+            finish = d.output.finish_reason if d.ending else None
+            lp = self._chat_logprobs(*self._message_tokens(
+                d.output, d.token_ids, d.output.delta_logprobs, d.output.delta_top_logprobs))
+            if d.ending:
+                ids = self._message_tokens(d.output, d.output.token_ids, None, None)[0]
+                more, end_calls, is_calls = answer.finish(
+                    self._tool_text(plan, d.output, ids))
+                content = (content or "") + (more or "") or None
+                calls += end_calls
+                if is_calls and finish == "stop":
+                    finish = "tool_calls"
+            if plan.mode != "none":
+                if lp is not None and lp.content is not None:
+                    held.setdefault(d.index, []).extend(lp.content)
+                if not (content or calls or d.ending):
+                    continue
+                if d.index in held:
+                    lp = ChatLogprobs(content=held.pop(d.index))
             yield chunk([ChatChunkChoice(
-                index=d.index, delta=ChatDelta(content=d.text or None),
-                logprobs=self._chat_logprobs(*self._message_tokens(
-                    d.output, d.token_ids, d.output.delta_logprobs,
-                    d.output.delta_top_logprobs)),
-                finish_reason=d.output.finish_reason if d.ending else None,
+                index=d.index, delta=ChatDelta(content=content, tool_calls=calls or None),
+                logprobs=lp, finish_reason=finish,
                 stop_reason=d.output.stop_reason if d.ending else None)])
         if include_usage and finals:
             yield chunk([], _usage([finals[0]]))
