@@ -268,10 +268,12 @@ def _assemble(stream: Any) -> tuple[list[dict[str, Any]], str | None, str]:
                                                  "function": {"name": "add"}}])
 def test_forced_calls_are_schema_valid_and_stream_the_same(oai: openai.OpenAI,
                                                            choice: Any) -> None:
-    for temperature in (0, 1):
+    # Sampled, one call (parallel_tool_calls false): free to add calls, this small model
+    # may go on adding them until max_tokens cuts the list short.
+    for temperature, parallel in ((0, True), (1, False)):
         r = oai.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
                                         tool_choice=choice, temperature=temperature,
-                                        seed=3, max_tokens=80)
+                                        parallel_tool_calls=parallel, seed=3, max_tokens=80)
         c = r.choices[0]
         assert c.finish_reason == "tool_calls" and c.message.content is None
         assert c.message.tool_calls
@@ -315,6 +317,40 @@ def test_streamed_tool_calls_carry_every_token_logprob_once(oai: openai.OpenAI) 
                 got += [(t.token, t.logprob) for t in chunk.choices[0].logprobs.content]
         assert [t for t, _ in got] == [t for t, _ in want]
         assert [lp for _, lp in got] == pytest.approx([lp for _, lp in want], abs=1e-4)
+
+
+@pytest.mark.slow
+def test_a_call_cut_by_max_tokens_says_length(server: BackgroundServer) -> None:
+    """A forced call that max_tokens cuts short: a named function's call comes back with
+    its partial arguments, a "required" list (which does not parse) as content; both
+    with finish_reason length, streamed or not."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        for choice in (named, "required"):
+            body = {"messages": ASK, "tools": TOOLS, "tool_choice": choice,
+                    "temperature": 0, "max_tokens": 4}
+            c = http.post("/v1/chat/completions", json=body).json()["choices"][0]
+            assert c["finish_reason"] == "length"
+            if choice == "required":
+                assert "tool_calls" not in c["message"]
+                assert c["message"]["content"].startswith('[{"name":')
+            else:
+                [call] = c["message"]["tool_calls"]
+                assert call["function"]["name"] == "get_weather"
+                assert call["function"]["arguments"].startswith('{"city":')
+            with http.stream("POST", "/v1/chat/completions",
+                             json={**body, "stream": True}) as r:
+                events = [json.loads(line[6:]) for line in r.iter_lines()
+                          if line.startswith("data: {")]
+            assert events[-1]["choices"][0]["finish_reason"] == "length"
+            text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events)
+            args = "".join(t["function"].get("arguments", "") for e in events
+                           for t in e["choices"][0]["delta"].get("tool_calls", []))
+            if choice == "required":
+                assert (text, args) == (c["message"]["content"], "")
+            else:
+                assert (text, args) == ("", c["message"]["tool_calls"][0]["function"][
+                    "arguments"])
 
 
 @pytest.mark.slow
