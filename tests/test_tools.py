@@ -72,8 +72,8 @@ def test_hermes_calls_are_parsed_with_the_content_around_them() -> None:
     text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
             '"Paris", "unit": "celsius"}}\n</tool_call>\n<tool_call>\n{"name": "add", '
             '"arguments": {"a": 1, "b": 2}}\n</tool_call>')
-    content, calls = parse_tool_calls(text, "hermes", NAMES)
-    assert content == "Let me check."
+    content, calls = parse_tool_calls(text + "\nDone.", "hermes", NAMES)
+    assert content == "Let me check."  # the text before the calls; after them, dropped
     assert calls == [ParsedCall("get_weather", '{"city": "Paris", "unit": "celsius"}'),
                      ParsedCall("add", '{"a": 1, "b": 2}')]
     # An unterminated last block (the answer ended at </tool_call>'s stop) still counts.
@@ -128,9 +128,10 @@ def test_format_detection_from_the_template_text() -> None:
 
 def test_hermes_marker_start_holds_back_only_a_possible_call() -> None:
     assert hermes_marker_start("Hello there") == len("Hello there")
-    assert hermes_marker_start("Hello <tool") == len("Hello ")
-    assert hermes_marker_start("Hello <tool_call>{") == len("Hello ")
+    assert hermes_marker_start("Hello <tool") == len("Hello")
+    assert hermes_marker_start("Hello\n<tool_call>{") == len("Hello")
     assert hermes_marker_start("a < b") == len("a < b")
+    assert hermes_marker_start("a \n") == len("a")  # whitespace waits for what follows
 
 
 def _request(**body: Any) -> ChatCompletionRequest:
@@ -163,6 +164,15 @@ def test_streamed_pieces_assemble_into_the_whole_answer() -> None:
     assert all(p.id is None for p in pieces[1:])
     assert "".join(p.function.arguments or "" for p in pieces if p.function) == '{"a": 1, "b": 2}'
     assert answer.finish('{"a": 1, "b": 2}') == (None, [], True)
+    # A Mistral answer is held whole; its content comes out at the end, as non-streamed.
+    plan = plan_tools(_request(tools=TOOLS), "{{ '[TOOL_CALLS]' }}{{ tools }}")
+    answer = StreamedAnswer(plan)
+    text = 'Sure. [TOOL_CALLS][{"name": "add", "arguments": {"a": 1, "b": 2}}]'
+    assert answer.feed(text[:20]) == (None, []) and answer.feed(text[20:]) == (None, [])
+    content, pieces, is_calls = answer.finish(text)
+    assert (content, is_calls) == (plan.read(text)[0], True) == ("Sure.", True)
+    assert [(d.function.name, d.function.arguments) for d in pieces if d.function] == [
+        ("add", '{"a": 1, "b": 2}')]
 
 
 # --- the prompt --------------------------------------------------------------------------------

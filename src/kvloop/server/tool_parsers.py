@@ -56,9 +56,10 @@ def template_knows_tools(template: str | None) -> bool:
 
 def parse_tool_calls(text: str, fmt: ToolFormat, names: Collection[str]
                      ) -> tuple[str | None, list[ParsedCall]]:
-    """(content, calls) of a finished answer: content is the text around the calls
-    (None when there is none); calls is empty when the answer is not a valid call of the
-    functions `names`, and then content is the whole text."""
+    """(content, calls) of a finished answer: content is the text before the first call,
+    trailing whitespace cut (None when there is none; text after the calls is dropped);
+    calls is empty when the answer is not a valid call of the functions `names`, and then
+    content is the whole text, untouched."""
     parse = {"hermes": _hermes, "mistral": _mistral, "llama3": _llama3}[fmt]
     found = parse(text)
     if not found:
@@ -70,20 +71,21 @@ def parse_tool_calls(text: str, fmt: ToolFormat, names: Collection[str]
         if call is None:
             return text, []
         calls.append(call)
-    return (content.strip() or None), calls
+    return (content.rstrip() or None), calls
 
 
 def hermes_marker_start(text: str) -> int:
-    """Where in `text` a Hermes tool call may begin: the first ``<tool_call>``, or a tail
-    that could still grow into one; len(text) if neither. Text before it is safe to
-    stream as content."""
+    """How much of `text` is safe to stream as content: all of it but a ``<tool_call>``
+    and what follows, a tail that could still grow into one, and the whitespace before
+    either (which the parsed content leaves out)."""
     i = text.find(HERMES_OPEN)
-    if i >= 0:
-        return i
-    for k in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):
-        if HERMES_OPEN.startswith(text[-k:]):
-            return len(text) - k
-    return len(text)
+    if i < 0:
+        i = len(text)
+        for k in range(min(len(HERMES_OPEN) - 1, len(text)), 0, -1):
+            if HERMES_OPEN.startswith(text[-k:]):
+                i = len(text) - k
+                break
+    return len(text[:i].rstrip())
 
 
 def _call(obj: Any, names: Collection[str]) -> ParsedCall | None:
@@ -115,8 +117,7 @@ def _hermes(text: str) -> tuple[str, list[Any]] | None:
     blocks = list(_HERMES_BLOCK.finditer(text))
     if not blocks:
         return None
-    content = text[:blocks[0].start()] + text[blocks[-1].end():]
-    return content, [_loads(b.group(1).strip()) for b in blocks]
+    return text[:blocks[0].start()], [_loads(b.group(1).strip()) for b in blocks]
 
 
 def _mistral(text: str) -> tuple[str, list[Any]] | None:

@@ -280,9 +280,13 @@ class StreamedAnswer:
             return None, [], False
         if mode == "named":
             return None, ([self._named_piece("")] if self.named_id is None else []), True
-        _, calls = self.plan.read(parse_text)
+        content, calls = self.plan.read(parse_text)
         if calls:
-            return None, call_deltas(calls), True
+            # The content before the calls, less what was streamed already (a Hermes
+            # answer streams it as it comes; the other formats hold it to the end).
+            rest = (content or "")[self.sent:] or None
+            self.sent = len(self.text)
+            return rest, call_deltas(calls), True
         rest = self.text[self.sent:]
         self.sent = len(self.text)
         return (rest or None), [], False
