@@ -550,3 +550,51 @@ def test_llm_cli_schema_json_object_and_functions(llm_cli: Any, tmp_path: Path) 
     out = llm_cli("--functions", str(functions), "-o", "temperature", "0",
                   "-o", "max_tokens", "40", "What is 2 + 3?")
     assert out.strip()
+
+
+# A chatml template that renders tools and tool turns itself, Qwen's way.
+QWEN_LIKE = (
+    "{%- if tools %}<|im_start|>system\nTools:{% for t in tools %}\n{{ t | tojson }}"
+    "{% endfor %}\nCall one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>"
+    "<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>{{ m.content }}"
+    "</tool_response><|im_end|>\n"
+    "{%- elif m.tool_calls %}<|im_start|>assistant\n{% for c in m.tool_calls %}<tool_call>"
+    "{\"name\": \"{{ c.function.name }}\", \"arguments\": {{ c.function.arguments | tojson }}}"
+    "</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.slow
+def test_a_template_with_tool_support_end_to_end() -> None:
+    """The default model served with a template that renders tools itself: the tools and
+    the history reach it (the call's arguments as an object), and a call the model writes
+    in its format is parsed."""
+    engine = LLMEngine(None, EngineConfig(kv_cache_memory="64MiB", chat_template=QWEN_LIKE))
+    native = [{"role": "user", "content": ASK[0]["content"]},
+              {"role": "assistant", "content": "", "tool_calls": [{
+                  "id": "call_1", "type": "function", "function": {
+                      "name": "get_weather", "arguments": {"city": "Paris",
+                                                           "unit": "celsius"}}}]},
+              {"role": "tool", "content": "18 degrees and sunny", "tool_call_id": "call_1"}]
+    expected = engine.tokenizer.encode_chat(native, True, TOOLS)
+    text = engine.tokenizer.decode(expected, skip_special_tokens=False)
+    assert text.startswith('<|im_start|>system\nTools:{"type": "function", "function": '
+                           '{"name": "get_weather"')  # (a block tag eats its newline)
+    assert ('<tool_call>{"name": "get_weather", "arguments": {"city": "Paris", '
+            '"unit": "celsius"}}</tool_call>') in text
+    assert "<tool_response>18 degrees and sunny</tool_response>" in text
+    with BackgroundServer(create_app(engine, ServerSettings())) as s, \
+            httpx.Client(base_url=s.url, timeout=120) as http:
+        r = http.post("/v1/chat/completions", json={
+            "messages": HISTORY, "tools": TOOLS, "temperature": 0, "max_tokens": 40,
+            "guided_regex": r'<tool_call>\{"name": "add", "arguments": \{"a": 1, "b": 2\}\}'
+                            r"</tool_call>"})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(expected)
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        assert [c["function"] for c in choice["message"]["tool_calls"]] == [
+            {"name": "add", "arguments": '{"a": 1, "b": 2}'}]
