@@ -71,6 +71,17 @@ def one_line(message: str) -> str:
     return " ".join([lines[0], *(line for line in lines[1:] if line.startswith("error:"))])
 
 
+def schema_error(schema: dict) -> str | None:
+    """Why a JSON schema cannot be compiled (checked without a tokenizer), or None: for
+    schemas that arrive inside something else, such as a tool's parameters."""
+    try:
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
+            grammar_text(StructuredOutput(json_schema=schema)))
+    except Exception as e:  # llguidance's own refusal (an unreadable schema)
+        return one_line(str(e))
+    return (one_line(messages[0]) if messages else "invalid schema") if is_error else None
+
+
 def _parse_schema(text: str) -> dict:
     try:
         schema = json.loads(text)

@@ -24,9 +24,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import llguidance as llg
-
-from kvloop.engine.structured import grammar_text
+from kvloop.engine.structured import schema_error
 from kvloop.params import StructuredOutput
 from kvloop.server.errors import bad_request
 from kvloop.server.protocol import (
@@ -144,14 +142,9 @@ def _arguments_schema(tool: Tool) -> dict[str, Any]:
 
 
 def _check_schema(schema: dict[str, Any], param: str) -> None:
-    """Refuse a schema llguidance cannot compile, before anything is queued."""
-    try:
-        text = grammar_text(StructuredOutput(json_schema=schema))
-        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(text)
-    except Exception as e:  # llguidance's own refusal (an unreadable schema)
-        is_error, messages = True, [str(e)]
-    if is_error:
-        detail = messages[0].strip().splitlines()[0] if messages else "invalid schema"
+    """Refuse a schema that cannot be compiled, before anything is queued."""
+    detail = schema_error(schema)
+    if detail is not None:
         raise bad_request(f"{param} is not a JSON schema kvloop can follow: {detail}", param)
 
 
