@@ -42,11 +42,19 @@ def main() -> None:
     from kvloop.params import StructuredOutput
     from structured_schemas import SCHEMAS
 
-    llm = LLM()
+    # No prefix cache: each run recomputes its prompts the same way. (A hit leaves only
+    # the prompt's last partial block to compute, under 16 rows, which the quantized
+    # layers run with int8 activations instead of bf16: slightly different keys and
+    # values, so repeated runs could part at near-ties and compare different outputs.)
+    llm = LLM(enable_prefix_caching=False)
     engine = llm.engine
     grammars = engine.grammars
 
     # -- compile, cold and cached -------------------------------------------------------
+    # The tokenizer's llguidance form is built once per engine, at the first constraint.
+    t = time.perf_counter()
+    grammars.matcher(StructuredOutput(regex="[a-z]+"))
+    tokenizer_s = time.perf_counter() - t
     compile_rows = []
     for name, schema, _ in SCHEMAS:
         so = StructuredOutput(json_schema=schema)
@@ -84,6 +92,7 @@ def main() -> None:
         samples: dict[str, list[float]] = {k: [] for k in
                                             ("tpot_c", "tpot_u", "tpot_jf", "wall_jf",
                                              "wall_u", "steps_jf", "steps_u")}
+        same = compared = 0
         for run_i in range(args.runs + 1):  # the first run warms caches and is dropped
             acc = {k: [] for k in ("c", "u", "jf")}
             walls = {"jf": 0.0, "u": 0.0}
@@ -96,8 +105,9 @@ def main() -> None:
                           for o in out_c]
                 out_u, wall_u, steps_u = run(bp, uncons, jf=False)
                 out_jf, wall_jf, steps_jf = run(bp, [cons[i] for i in b], jf=True)
-                for a, j in zip(out_c, out_jf, strict=True):
-                    assert a.outputs[0].token_ids == j.outputs[0].token_ids
+                same += sum(a.outputs[0].token_ids == j.outputs[0].token_ids
+                            for a, j in zip(out_c, out_jf, strict=True))
+                compared += len(b)
                 acc["c"] += out_c
                 acc["u"] += out_u
                 acc["jf"] += out_jf
@@ -116,7 +126,7 @@ def main() -> None:
             samples["steps_u"].append(steps["u"])
             tokens = sum(len(o.outputs[0].token_ids) for o in acc["c"])
         results[concurrency] = ({k: statistics.median(v) for k, v in samples.items()},
-                                len(picks), tokens)
+                                len(picks), tokens, f"{same}/{compared}")
     engine.jump_forward = True
 
     lines = [
@@ -129,23 +139,23 @@ def main() -> None:
         "",
         "| concurrency | requests | output tokens | TPOT unconstrained | TPOT constrained "
         "| mask overhead | TPOT with jump-forward | steps: unconstrained / jump-forward "
-        "| time to finish: unconstrained / jump-forward |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| time to finish: unconstrained / jump-forward | jump-forward output identical |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for c, (r, n, tokens) in results.items():
+    for c, (r, n, tokens, same) in results.items():
         lines.append(
             f"| {c} | {n} | {tokens} | {r['tpot_u'] * 1e3:.2f} ms | "
             f"{r['tpot_c'] * 1e3:.2f} ms | {(r['tpot_c'] / r['tpot_u'] - 1) * 100:+.1f}% | "
             f"{r['tpot_jf'] * 1e3:.2f} ms | {r['steps_u']:.0f} / {r['steps_jf']:.0f} | "
             f"{r['wall_u']:.2f} s / {r['wall_jf']:.2f} s "
-            f"({r['wall_u'] / r['wall_jf']:.2f}x) |")
+            f"({r['wall_u'] / r['wall_jf']:.2f}x) | {same} |")
     lines += [
         "",
         "Concurrency 1 runs the requests one after another (the times add up); 32 runs "
         "them as one batch. The unconstrained twin of each request writes as many tokens as "
         "the constrained one (max_tokens, ignore_eos), so both runs have the same steps "
-        "without jump-forward. Jump-forward's outputs were checked token-identical to the "
-        "constrained ones in every run.",
+        "without jump-forward. The last column counts, over all runs, the requests whose "
+        "jump-forward output was token-identical to the one-token-a-step constrained one.",
         "",
         "| schema | compile + first mask, cold | cached |",
         "|---|---|---|",
@@ -155,7 +165,9 @@ def main() -> None:
     colds = [c for _, c, _ in compile_rows]
     warms = [w for _, _, w in compile_rows]
     lines += ["", f"Median over the schemas: cold {statistics.median(colds) * 1e3:.2f} ms, "
-                  f"cached {statistics.median(warms) * 1e3:.2f} ms."]
+                  f"cached {statistics.median(warms) * 1e3:.2f} ms. Once per engine, at its "
+                  f"first constraint: the tokenizer's llguidance form, "
+                  f"{tokenizer_s * 1e3:.0f} ms."]
     publish("\n".join(lines), args.write, "bench-structured")
 
 

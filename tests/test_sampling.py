@@ -461,3 +461,31 @@ def test_extremes_of_the_allowed_ranges_give_finite_logits(penalty: float) -> No
     out = Sampler()(logits, rows)
     assert ((out.token_ids >= 0) & (out.token_ids < V)).all()
     assert out.logprobs.isfinite().all()
+
+
+@pytest.mark.parametrize("vocab", [96, 100])
+def test_allowed_mask_matches_bit_by_bit_reference(vocab):
+    """Grammar masks: token t is kept iff bit t % 32 of word t // 32 is set. Rows that
+    allow everything (skipped by the fast path), rows allowing nothing but a few, and
+    rows not in row_idx (untouched)."""
+    from kvloop.sampling.processors import apply_allowed_mask, unpack_bitmask
+
+    g = torch.Generator().manual_seed(0)
+    W = (vocab + 31) // 32
+    bits = torch.randint(-2**31, 2**31 - 1, (3, W), dtype=torch.int32, generator=g)
+    bits[1] = -1  # everything allowed
+    bits[2] = 0
+    bits[2, 1] = 0b101  # tokens 32 and 34 only
+    logits = torch.randn(4, vocab, generator=g)
+    rows = torch.tensor([0, 1, 3])
+    out = apply_allowed_mask(logits, rows, bits)
+    expected = logits.clone()
+    for j, r in enumerate(rows.tolist()):
+        for t in range(vocab):
+            if not (int(bits[j, t // 32]) >> (t % 32)) & 1:
+                expected[r, t] = float("-inf")
+    assert torch.equal(out, expected)
+    assert torch.isfinite(out[2]).all()  # not in row_idx
+    assert unpack_bitmask(bits[2:], vocab)[0].nonzero().flatten().tolist() == [32, 34]
+    # Every row allowing everything: nothing changes.
+    assert torch.equal(apply_allowed_mask(logits, torch.tensor([1]), bits[1:2]), logits)

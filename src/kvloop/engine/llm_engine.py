@@ -320,8 +320,6 @@ class LLMEngine:
         self.scheduler.add_request(first)
         self._seq_to_group[first_id] = group
         self._groups[request_id] = group
-        if group.beam is None and self._draft_room(first) > 0:
-            self._force(first, self._draft_room(first))  # `{"name": ` rides on the prompt
         return request_id
 
     @staticmethod
@@ -421,10 +419,19 @@ class LLMEngine:
         """The allowed-token bitmasks of every sequence under a grammar that samples now:
         [1 + num_draft, ceil(V / 32)], one row per token it may gain this step."""
         masks = {}
+        plain: list[tuple[str, LLMatcher]] = []  # one row each: computed together
         for s in sched.seqs:
             matcher = self._matcher(s.request_id) if s.sample else None
-            if matcher is not None:
+            if matcher is None:
+                continue
+            if s.num_draft:
                 masks[s.request_id] = self.grammars.fill_masks(matcher, s.draft_token_ids)
+            else:
+                plain.append((s.request_id, matcher))
+        if plain:
+            batch = self.grammars.fill_batch([m for _, m in plain])  # [N, W]
+            for i, (rid, _) in enumerate(plain):
+                masks[rid] = batch[i:i + 1]
         return masks
 
     def _adapt_draft_lengths(self, sched: SchedulerOutput, accepted: dict[str, int]) -> None:
@@ -455,14 +462,16 @@ class LLMEngine:
             group = self._seq_to_group.get(req.request_id)
             if group is None or group.beam is not None:
                 continue  # beam search ranks whole beams
+            if req.num_computed_tokens != req.num_tokens - 1:
+                # Still prefilling. (Forced tokens could ride on the prompt's last chunk,
+                # but with quantized weights a prompt-sized step runs other kernels than
+                # a decode step (bf16 activations from 16 rows, int8 below), so their keys
+                # and values would differ slightly from one-token-a-step decoding's.)
+                continue
             p = req.params
             room = self._draft_room(req)
-            # Forced tokens follow the matcher, which has seen every token: they can ride
-            # on a prompt's last chunk too. A proposer continues from the last token.
             if room > 0 and self._force(req, room):
                 continue
-            if req.num_computed_tokens != req.num_tokens - 1:
-                continue  # still prefilling
             if not speculate or not p.speculative:
                 continue  # compute-bound batch, or the request opted out
             state = self._spec.get(req.request_id)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 _NEG_INF = float("-inf")
@@ -44,10 +45,11 @@ def token_counts(
 
 def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """[B, W] int32 bitmasks (bit t % 32 of word t // 32 set: token t allowed) -> [B, V]
-    bool."""
-    shifts = torch.arange(32, dtype=torch.int32)  # [32]
-    allowed = (bits.unsqueeze(-1) >> shifts) & 1  # [B, W, 32]
-    return allowed.view(bits.shape[0], -1)[:, :vocab_size].bool()
+    bool. numpy's unpackbits over the little-endian bytes: ~10 us for a 49k vocabulary,
+    where shifting int32 words in torch took ~40."""
+    packed = bits.contiguous().numpy().view(np.uint8)  # [B, 4W], bit t % 8 of byte t // 8
+    unpacked = np.unpackbits(packed, axis=-1, count=vocab_size, bitorder="little")  # [B, V]
+    return torch.from_numpy(unpacked).view(torch.bool)
 
 
 def apply_allowed_mask(
@@ -55,10 +57,30 @@ def apply_allowed_mask(
 ) -> torch.Tensor:
     """Set to -inf every token that rows ``row_idx`` do not allow.
 
-    row_idx: ``[M]`` int64; bits: ``[M, W]`` int32 bitmasks (see unpack_bitmask)."""
+    row_idx: ``[M]`` int64; bits: ``[M, W]`` int32 bitmasks (see unpack_bitmask). One
+    ``where`` per masked row writes the output directly (no gather and scatter of rows).
+    A row whose mask allows every token (free text inside a JSON string) is left alone:
+    the masking pass costs ~1 ms per 32 rows of a 49k vocabulary here."""
+    V = logits.shape[-1]
+    full_words = V // 32
+    tail = V % 32
+    everything = (bits[:, :full_words] == -1).all(dim=1)  # [M]
+    if tail:
+        want = (1 << tail) - 1
+        everything &= (bits[:, full_words] & want) == want
+    if bool(everything.any()):
+        keep = ~everything
+        if not bool(keep.any()):
+            return logits
+        row_idx, bits = row_idx[keep], bits[keep]
+    allowed = unpack_bitmask(bits, V)  # [M, V]
+    neg_inf = logits.new_full((), _NEG_INF)
+    if row_idx.numel() == logits.shape[0] and bool(
+            (row_idx == torch.arange(logits.shape[0])).all()):
+        return torch.where(allowed, logits, neg_inf)
     out = logits.clone()
-    allowed = unpack_bitmask(bits, logits.shape[-1])  # [M, V]
-    out[row_idx] = out[row_idx].masked_fill(~allowed, _NEG_INF)
+    for j, r in enumerate(row_idx.tolist()):
+        torch.where(allowed[j], logits[r], neg_inf, out=out[r])
     return out
 
 
