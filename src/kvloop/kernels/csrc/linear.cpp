@@ -92,6 +92,17 @@ inline __m256 load8(const int8_t* p) {  // 8 int8 weights widened to fp32
   const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
 }
+
+// 16 fp32 weights (w0: k..k+7, w1: k+8..k+15) into each of C activation rows' two FMA
+// chains (two per row: one chain alone is latency-bound at C == 1).
+template <int C>
+inline void fma16_rows(__m256 (&acc)[C][2], __m256 w0, __m256 w1, const float* X, int64_t K,
+                       int64_t m0, int64_t k) {
+  for (int c = 0; c < C; ++c) {
+    acc[c][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(X + (m0 + c) * K + k), acc[c][0]);
+    acc[c][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(X + (m0 + c) * K + k + 8), acc[c][1]);
+  }
+}
 #endif
 
 // fp32 activations against fp32 weights, or against int8 weights widened to fp32 (the
@@ -104,16 +115,9 @@ void row_dense(const T* W, const float* scales, const float* X, int64_t K, int64
   float out[C];
   int64_t k = 0;
 #ifdef __AVX2__
-  // Two accumulators per activation row: one FMA chain alone is latency-bound at C == 1.
   __m256 acc[C][2];
   for (int c = 0; c < C; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
-  for (; k + 16 <= K; k += 16) {
-    const __m256 w0 = load8(w + k), w1 = load8(w + k + 8);
-    for (int c = 0; c < C; ++c) {
-      acc[c][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(X + (m0 + c) * K + k), acc[c][0]);
-      acc[c][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(X + (m0 + c) * K + k + 8), acc[c][1]);
-    }
-  }
+  for (; k + 16 <= K; k += 16) fma16_rows<C>(acc, load8(w + k), load8(w + k + 8), X, K, m0, k);
   for (int c = 0; c < C; ++c) out[c] = hsum(_mm256_add_ps(acc[c][0], acc[c][1]));
 #else
   for (int c = 0; c < C; ++c) out[c] = 0.f;
@@ -397,12 +401,8 @@ void row_q8b_float(const int8_t* W, const uint8_t* S, const float* X, int64_t K,
     const int64_t g = h * 16 / G, k = h * 16;
     const __m256 s = _mm256_set1_ps(scale_at<F32S>(sc, g));
     const __m256 m = _mm256_set1_ps(MIN ? scale_at<F32S>(sc + ng * kS, g) : 0.f);
-    const __m256 w0 = _mm256_fmadd_ps(load8(w + k), s, m);
-    const __m256 w1 = _mm256_fmadd_ps(load8(w + k + 8), s, m);
-    for (int c = 0; c < C; ++c) {
-      acc[c][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(X + (m0 + c) * K + k), acc[c][0]);
-      acc[c][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(X + (m0 + c) * K + k + 8), acc[c][1]);
-    }
+    fma16_rows<C>(acc, _mm256_fmadd_ps(load8(w + k), s, m),
+                  _mm256_fmadd_ps(load8(w + k + 8), s, m), X, K, m0, k);
   }
   for (int c = 0; c < C; ++c) out[c] = hsum(_mm256_add_ps(acc[c][0], acc[c][1]));
 #else
