@@ -519,7 +519,10 @@ def llm_cli(server: BackgroundServer, tmp_path: Path) -> Any:
     (tmp_path / "extra-openai-models.yaml").write_text(
         f"- model_id: kvloop\n  model_name: {MODEL}\n  api_base: {server.url}/v1\n"
         "  supports_schema: true\n  supports_tools: true\n")
-    env = {**os.environ, "LLM_USER_PATH": str(tmp_path), "OPENAI_API_KEY": "x"}
+    # LLM_LOAD_PLUGINS empty: only llm's own plugins. The default model's package is an
+    # llm plugin too, and importing it needs llama-cpp-python (installed only by make bench).
+    env = {**os.environ, "LLM_USER_PATH": str(tmp_path), "OPENAI_API_KEY": "x",
+           "LLM_LOAD_PLUGINS": ""}
 
     def run(*args: str) -> str:
         proc = subprocess.run([sys.executable, "-m", "llm", "-m", "kvloop", "--no-log", *args],
