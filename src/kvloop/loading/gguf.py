@@ -20,6 +20,7 @@ import torch
 from kvloop.config import ModelConfig
 from kvloop.errors import ModelLoadError
 from kvloop.loading.blocks import BLOCK_TYPES, decode
+from kvloop.loading.gguf_reader import GGUFHeader
 from kvloop.models.base import Architecture
 from kvloop.models.registry import get_architecture
 from kvloop.quant.int4 import GROUP_SIZE, Int4Weights
@@ -93,17 +94,10 @@ class GGUFFile:
         if not is_gguf(self.path):
             raise ModelLoadError(f"{self.path} is not a GGUF file (bad magic bytes)")
         try:
-            self.reader = gguf.GGUFReader(self.path)
-        except Exception as e:  # a truncated or corrupt file: name it, don't dump a traceback
+            self.reader = GGUFHeader(self.path)
+        except (ValueError, OSError) as e:  # truncated or corrupt: name it, no traceback
             raise ModelLoadError(f"{self.path} is not a readable GGUF file: {e}") from e
-        self.metadata: dict[str, Any] = {}
-        for key, field in self.reader.fields.items():
-            if key.startswith("GGUF."):
-                continue
-            try:
-                self.metadata[key] = field.contents()
-            except Exception:  # exotic field types we never read
-                continue
+        self.metadata: dict[str, Any] = self.reader.metadata
         self.architecture = str(self.metadata.get("general.architecture", ""))
         self.arch = get_architecture(self.architecture, self.path.name)
 
