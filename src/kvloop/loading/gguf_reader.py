@@ -178,6 +178,7 @@ class GGUFHeader:
             raise ValueError(f"tensor {name!r:.60} ({nbytes} bytes at offset {offset}) runs "
                              f"past the end of the file ({len(self._buf)} bytes)")
         np_dims = tuple(int(d) for d in reversed(dims))
+        data: np.ndarray
         if kind in _ITEM_DTYPES:
             data = np.frombuffer(self._buf, _ITEM_DTYPES[kind], n, offset).reshape(np_dims)
         else:  # blocks: bytes per row
