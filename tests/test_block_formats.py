@@ -276,9 +276,9 @@ def test_layers_without_an_exact_stored_layout_stay_fp32(default_gguf: Path) -> 
     model.load_weights(ckpt.weights())
     source = ckpt.block_weights()
     del source["model.layers.0.self_attn.k_proj.weight"]  # a part stored dense: no layout
-    w = source["model.layers.1.mlp.down_proj.weight"]  # blocks that are not the weights
+    w = source["model.layers.1.mlp.down_proj.weight"]  # blocks of another shape
     source["model.layers.1.mlp.down_proj.weight"] = GroupWeights(
-        w.codes, w.scales * 2, w.mins, w.group, w.bits)
+        w.codes[:-1], w.scales[:-1], None if w.mins is None else w.mins[:-1], w.group, w.bits)
     quantize_model(model, "gguf", block_source=source)
     layers = cast(Any, model.layers)
     assert isinstance(layers[0].self_attn.qkv_proj, Linear)
@@ -320,3 +320,20 @@ def test_fused_checkpoint_tensors_are_taken_whole(tmp_path: Path,
     ids = [5, 17, 42, 7, 99, 3]
     ours, ref = last_logits(stored, ids), last_logits(fp32, ids)
     assert float((ours - ref).abs().max() / ref.abs().max()) < 0.05
+
+
+def test_no_architecture_transforms_a_stored_matrix() -> None:
+    """use_stored_blocks takes a 2-D tensor's blocks as the layer's weights without
+    comparing them with the loader's fp32 tensor: that holds only while every
+    architecture's gguf_tensor hook leaves 2-D tensors as stored (Gemma's rewrites norms,
+    which are 1-D and never blocks)."""
+    from kvloop.models.registry import ARCHITECTURES
+
+    w = np.random.default_rng(0).standard_normal((8, 32)).astype(np.float32)
+    for arch in ARCHITECTURES.values():
+        names = [*arch.gguf_global_names.values(),
+                 *(f"model.layers.0.{n}" for n in arch.gguf_layer_names.values())]
+        for name in names:
+            if name.endswith("norm.weight"):
+                continue
+            assert np.array_equal(arch.gguf_tensor(name, w.copy()), w), (arch.name, name)

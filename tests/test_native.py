@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 from conftest import require_native_kernels, write_tiny_model
 from kvloop import LLM, SamplingParams
 from kvloop.batch import SchedulerOutput
+from kvloop.dispatch import BF16_MIN_ROWS
 from kvloop.engine.outputs import RequestOutput
 from kvloop.kernels.linear import (
     F32,
@@ -42,7 +43,7 @@ from kvloop.kernels.linear import (
     quantize_acts_reference,
     unpack_q4,
 )
-from kvloop.models.native import BF16_MIN_ROWS, bf16_gemm_fast
+from kvloop.models.native import bf16_gemm_fast
 from kvloop.runner import NATIVE_MAX_ROWS, ModelRunner
 
 GROUP = 32
@@ -290,6 +291,64 @@ def test_bf16_batched_path(kind: int, N: int, K: int) -> None:
         native_linear(F32, torch.randn(N, K), K).set_batched(packed_bf16(torch.randn(N, K)), 16)
     with pytest.raises(RuntimeError, match="min_rows"):
         lin.set_batched(packed_bf16(dequantize(kind, w, K, scales).float()), 0)
+
+
+def _layouts(N: int, K: int, g: torch.Generator) -> dict[str, tuple]:
+    """(kind, weight, scales) of every kernel layout: Q4F and the Q8B variants from
+    GroupWeights (scales that fp16 cannot hold force fp32 ones)."""
+    from kvloop.quant.layout import GroupWeights
+
+    out: dict[str, tuple] = {}
+    for kind, name in ((F32, "f32"), (Q8, "q8"), (Q4, "q4")):
+        w, sc = make_weight(kind, N, K, g)
+        out[name] = (kind, w, sc)
+    # As in GGUF's K-quants: an fp16 d times a 6-bit scale, exact in fp32 (17 bits) but not
+    # in fp16, so scale * code is exact for codes of up to 7 bits (Q4_K, Q5_K).
+    c4 = torch.randint(0, 16, (N, K), generator=g).to(torch.int16)
+    c5 = torch.randint(0, 32, (N, K), generator=g).to(torch.int16)
+    c8 = torch.randint(-128, 128, (N, K), generator=g).to(torch.int16)
+    d = (torch.rand(N, K // 32, generator=g) * 1e-3 + 1e-4).half().float()
+    s32 = d * torch.randint(33, 64, (N, K // 32), generator=g).float()
+    s16 = torch.rand(N, K // 16, generator=g).half().float() * 0.01
+    m32 = -torch.rand(N, K // 32, generator=g) * 0.1
+    for name, gw in (("q4f", GroupWeights(c4, s32, m32, 32, 4)),
+                     ("q8b-g16", GroupWeights(c8, s16, None, 16, 8)),
+                     ("q8b-min-f32", GroupWeights(c5, s32, m32, 32, 8)),
+                     ("q8b-g32-f16", GroupWeights(c8, s32.half().float(), None, 32, 8))):
+        out[name] = gw.native()
+    return out
+
+
+@pytest.mark.parametrize("layout", ["f32", "q8", "q4", "q4f", "q8b-g16", "q8b-min-f32",
+                                    "q8b-g32-f16"])
+def test_batched_decode_path(layout: str) -> None:
+    # set_batched_decode: no second copy of the weights. Batches of >= min_rows rows decode
+    # the weights a chunk of rows at a time (N = 2000 at K = 576 crosses a 2 MiB chunk of
+    # bf16 rows) and run ATen's GEMM: bf16 for quantized kinds (the values a prepacked bf16
+    # copy holds), fp32 for fp32; smaller batches run the kernels as before.
+    N, K = 2000, 576
+    g = _gen(N + len(layout))
+    kind, w, sc = _layouts(N, K, g)[layout]
+    ref_w = dequantize(kind, w, K, sc).float()  # what the kernels compute with
+    lin = native_linear(kind, w, K, sc)
+    assert torch.equal(lin.decoded(), ref_w)
+    assert torch.equal(lin.decoded(bf16=True), ref_w.to(torch.bfloat16))
+    for bias in (None, torch.randn(N, generator=g)):
+        lin = native_linear(kind, w, K, sc, bias)
+        lin.set_batched_decode(BF16_MIN_ROWS)
+        assert lin.batched_decode and lin.batched_min_rows == BF16_MIN_ROWS
+        x = torch.randn(BF16_MIN_ROWS - 1, K, generator=g)
+        assert_linear_close(lin.forward(x), linear_reference(x, kind, w, K, sc, bias), "small")
+        for M in (BF16_MIN_ROWS, 129):
+            x = torch.randn(M, K, generator=g)
+            y = lin.forward(x)
+            if kind == F32:
+                assert_linear_close(y, linear_reference(x, kind, w, K, sc, bias), f"M={M}")
+                continue
+            ref = linear_reference(x, kind, w, K, sc, bias, bf16=True)
+            torch.testing.assert_close(y, ref, rtol=2**-7, atol=2**-8 * float(ref.abs().max()))
+    with pytest.raises(RuntimeError, match="min_rows"):
+        lin.set_batched_decode(0)
 
 
 def test_native_linear_fp32_odd_widths() -> None:

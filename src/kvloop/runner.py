@@ -11,6 +11,7 @@ import torch
 
 from kvloop import kernels
 from kvloop.batch import ScheduledSeq, SchedulerOutput
+from kvloop.dispatch import NATIVE_MAX_PREFILL, NATIVE_MAX_ROWS
 from kvloop.models import AttentionMetadata, CausalLM, PrefillSegment
 from kvloop.models.attention import (
     KVCacheGroup,
@@ -21,13 +22,6 @@ from kvloop.models.native import build_native_decoder, native_prefill_ready
 from kvloop.params import SamplingParams
 from kvloop.sampling import Sampler, SamplingRow
 from kvloop.sampling.rejection import verify_drafts
-
-NATIVE_MAX_ROWS = 64
-# Prefill chunks up to this many tokens run in the native step. Its attention kernel
-# (online softmax over paged K/V) beat the modules' SDPA on 512-token prompts, tied at
-# 768 and 1024 and lost at 2048 (fp32 prefill here: 622 vs 549 tok/s at 512, 414 vs 476
-# at 2048), so a step with a longer chunk stays on the modules.
-NATIVE_MAX_PREFILL = 1024
 
 
 def padded_block_tables(seqs: list[ScheduledSeq], group: int = 0) -> torch.Tensor:

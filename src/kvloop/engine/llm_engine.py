@@ -32,6 +32,7 @@ from kvloop.loading.loader import Checkpoint, load_checkpoint
 from kvloop.loading.tokenizer import Tokenizer
 from kvloop.models import CausalLM, create_model
 from kvloop.models.attention import kv_cache_groups
+from kvloop.models.native import native_supported
 from kvloop.models.quantize import quantize_model
 from kvloop.params import SamplingParams
 from kvloop.quant import QUANTIZATIONS
@@ -115,7 +116,11 @@ def resolve_quantization(quantization: str, checkpoint: Checkpoint) -> str:
 
 
 def load_model(checkpoint: Checkpoint, pack: bool = True, quantization: str = "none",
-               keep_dense: bool = False) -> CausalLM:
+               native: bool = False) -> CausalLM:
+    """The checkpoint's model with its linear layers in `quantization`'s layout. Each layer
+    holds one layout: with the native decoder (`native`, for an architecture it runs) the
+    fp32 layers keep their dense weight, which its kernels and GEMMs read; otherwise
+    (`pack`) oneDNN's prepacked one, which the modules' forward reads."""
     model = create_model(checkpoint.config)
     model.load_weights(checkpoint.weights())
     quantization = resolve_quantization(quantization, checkpoint)
@@ -123,8 +128,8 @@ def load_model(checkpoint: Checkpoint, pack: bool = True, quantization: str = "n
         int4 = checkpoint.int4_weights() if quantization == "int4" else None
         blocks = checkpoint.block_weights() if quantization == "gguf" else None
         quantize_model(model, quantization, int4, blocks)
-    if pack:
-        model.pack_weights(keep_dense)  # whatever stayed fp32
+    if pack and not (native and native_supported(model)):
+        model.pack_weights()  # whatever stayed fp32
     model.eval()
     return model
 
@@ -151,10 +156,10 @@ class LLMEngine:
         # "auto" becomes what this checkpoint runs with, so that stats and drafts see it.
         self.config = replace(self.config, quantization=resolve_quantization(
             self.config.quantization, self.checkpoint))
-        # The native decode step reads fp32 weights densely: keep them beside oneDNN's copy.
+        # The native decode step reads fp32 weights densely (and runs prefill GEMMs on them).
         native = self.config.use_kernels and self.config.use_cache and kernels.available()
         self.model = load_model(self.checkpoint, self.config.pack_weights,
-                                self.config.quantization, keep_dense=native)
+                                self.config.quantization, native=native)
         c, ec = self.model_config, self.config
         self.max_model_len = min(ec.max_model_len or c.max_position_embeddings,
                                  c.max_position_embeddings)
@@ -211,7 +216,7 @@ class LLMEngine:
             checkpoint, quantization = load_checkpoint(method.removeprefix("draft:")), "none"
             self._check_draft(checkpoint)
         native = ec.use_kernels and kernels.available()
-        draft = load_model(checkpoint, ec.pack_weights, quantization, keep_dense=native)
+        draft = load_model(checkpoint, ec.pack_weights, quantization, native=native)
         return DraftModelProposer(draft, ec.block_size, self.num_blocks, ec.use_kernels)
 
     def _check_draft(self, draft: Checkpoint) -> None:

@@ -171,12 +171,10 @@ class Gemma3ForCausalLM(nn.Module):
         linears = sum(int(getattr(m, "weight_bytes", 0)) for m in self.modules())
         return linears + norms
 
-    def pack_weights(self, keep_dense: bool = False) -> None:
-        """Switch every linear layer to oneDNN's layout (after load_weights). keep_dense is
-        for the native step's kernels, which do not run Gemma: the dense copies would only
-        double the weights' memory, so they are dropped regardless."""
+    def pack_weights(self) -> None:
+        """Switch every fp32 linear layer to oneDNN's layout (after load_weights)."""
         for lin in self.linears():
-            lin.pack(False)
+            lin.pack()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

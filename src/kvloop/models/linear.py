@@ -30,14 +30,14 @@ class Linear(nn.Module):
                      if bias else None)
         self.packed: torch.Tensor | None = None
 
-    def pack(self, keep_dense: bool = False) -> None:
-        """Reorder the weight for oneDNN; drop the dense copy unless the native decode
-        kernels (which read it row by row) need it too."""
+    def pack(self) -> None:
+        """Reorder the weight for oneDNN and drop the dense one: one layout held (the
+        modules' forward reads this one; the native decoder reads dense weights, so a model
+        it runs is never packed)."""
         if self.packed is not None or not onednn_available():
             return
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1)
-        if not keep_dense:
-            self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
     def native_spec(self) -> tuple[int, torch.Tensor, int, torch.Tensor | None,
                                    torch.Tensor | None]:

@@ -174,12 +174,11 @@ class LlamaForCausalLM(nn.Module):
         linears = sum(int(getattr(m, "weight_bytes", 0)) for m in self.modules())
         return linears + norms
 
-    def pack_weights(self, keep_dense: bool = False) -> None:
-        """Switch every linear layer to oneDNN's layout (after load_weights). keep_dense:
-        the layers keep their dense weight too, for the native decode kernels; the tied
-        head never does (the native head reads the embedding table)."""
+    def pack_weights(self) -> None:
+        """Switch every fp32 linear layer to oneDNN's layout, dropping the dense weight (for
+        the modules' forward: the native decoder reads the dense weights instead)."""
         for lin in self.linears():
-            lin.pack(keep_dense and not (lin is self.lm_head and self.config.tie_word_embeddings))
+            lin.pack()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -235,8 +234,8 @@ class LlamaForCausalLM(nn.Module):
             else:
                 continue
             loaded.add(name)
-        if c.tie_word_embeddings:
-            self.lm_head.weight.copy_(self.embed_tokens)
+        if c.tie_word_embeddings:  # one matrix, held once: the head reads the embedding's
+            self.lm_head.weight = nn.Parameter(self.embed_tokens.detach(), requires_grad=False)
         expected = self.expected_tensors().keys()
         if loaded != expected:
             missing = sorted(expected - loaded)

@@ -11,10 +11,9 @@ from typing import Any, Protocol, cast
 
 import torch
 
-from kvloop import kernels
-from kvloop.kernels.linear import native_linear, packed_bf16
+from kvloop import dispatch, kernels
+from kvloop.kernels.linear import native_linear
 from kvloop.models.base import CausalLM
-from kvloop.models.linear import Linear
 from kvloop.models.llama import DecoderLayer, LlamaForCausalLM
 from kvloop.models.registry import get_architecture
 from kvloop.quant import BlockLinear, Int4Linear, Int8Linear
@@ -34,17 +33,8 @@ def native_linear_of(module: object, float_acts: bool = False) -> Any:
                          float_acts=float_acts and kind in (Q8, Q8B))
 
 
-# Batches from this many rows run a quantized layer's bf16 copy (see attach_native_linears).
-BF16_MIN_ROWS = 16
-# fp32 layers: decode batches up to 64 rows keep the native kernels (measured faster than
-# oneDNN there), prefill-sized inputs run oneDNN's packed fp32 GEMM, as the modules do.
-FP32_BATCHED_MIN_ROWS = 65
-
-
-def bf16_gemm_fast() -> bool:
-    """Whether this CPU has bf16 dot products (AVX512-BF16), which oneDNN's bf16 GEMM uses:
-    ~2.3x the fp32 rate here. Without them bf16 is emulated, slower than the int8 kernels."""
-    return bool(torch.cpu._is_avx512_bf16_supported())
+def bf16_gemm_fast() -> bool:  # kept here for callers; the policy lives in kvloop.dispatch
+    return dispatch.bf16_gemm_fast()
 
 
 def native_supported(model: CausalLM) -> bool:
@@ -64,47 +54,33 @@ def native_supported(model: CausalLM) -> bool:
 
 def attach_native_linears(model: CausalLM) -> None:
     """Give every quantized layer its native kernel (``module.native``); its forward then
-    uses it wherever it measured faster than PyTorch's kernel (int8: every row count,
-    prefill included; int4: decode-sized inputs, or every size with the bf16 copy).
+    uses it at every size.
 
-    Where bf16 GEMMs are fast, each layer also gets a bf16 copy of its weights (2 bytes a
-    weight) for batches of ``BF16_MIN_ROWS`` rows or more: prefill and large decode
-    batches are compute-bound, and there the bf16 GEMM is ~2x faster. Its activations are
-    rounded to bf16, finer than the int8 kernels' per-block rounding; the head's output
-    (the logits) too, a step of 2^-8 of the logit, below the int8 weights' own error
-    (benchmarks/quant_quality.py). Decode batches below that size still read only the
-    quantized bytes."""
-    wide = bf16_gemm_fast()
+    The layer's one layout serves every batch: decode-sized batches meet the int8 kernels
+    (they read only the quantized bytes); from the policy's row count on (kvloop.dispatch:
+    prefill and large decode batches, compute-bound) the kernel decodes the weights a
+    chunk of rows at a time into a GEMM, in bf16 where AVX512-BF16 makes that ~2x faster
+    (activations rounded to bf16, finer than the int8 kernels' per-block rounding; the
+    head's logits too, a step of 2^-8 of the logit, below the int8 weights' own error:
+    benchmarks/quant_quality.py), else in fp32."""
+    min_rows, bf16 = dispatch.quantized_batched_path()
     for module in model.modules():
         if isinstance(module, Int8Linear | Int4Linear | BlockLinear):
             module.native = native_linear_of(module, float_acts=module is model.lm_head)
-            if wide:
-                module.native.set_batched(packed_bf16(module.dequantize()), BF16_MIN_ROWS)
+            module.native.set_batched_decode(min_rows, bf16)
 
 
 def native_prefill_ready(model: CausalLM) -> bool:
     """Whether prefill-sized inputs through the native decoder run GEMMs at least as fast as
-    the modules': every layer but the head (only sampled rows reach it) has oneDNN's path
-    for large inputs (fp32 packed, or a quantized layer's bf16 copy), or is int8, whose
-    native kernel the modules use at every size anyway. Call after attach_native_linears.
-    False for an architecture the decoder does not run."""
+    the modules': every layer but the head (only sampled rows reach it) has a batched path
+    (quantized layers: attach_native_linears; fp32 ones: the decoder's own). Call after
+    attach_native_linears. False for an architecture the decoder does not run."""
     if not native_supported(model):
         return False
     head = model.lm_head
-    for m in model.modules():
-        if m is head:
-            continue
-        if isinstance(m, Int8Linear | BlockLinear):  # native at every size in the modules too
-            ok = m.native is not None
-        elif isinstance(m, Int4Linear):
-            ok = m.native is not None and m.native.batched_min_rows > 0
-        elif isinstance(m, Linear):
-            ok = m.packed is not None
-        else:
-            continue
-        if not ok:
-            return False
-    return True
+    return all(m.native is not None and m.native.batched_min_rows > 0
+               for m in model.modules()
+               if m is not head and isinstance(m, Int8Linear | Int4Linear | BlockLinear))
 
 
 def build_native_decoder(model: CausalLM) -> Any | None:
@@ -116,7 +92,7 @@ def build_native_decoder(model: CausalLM) -> Any | None:
     model = cast(LlamaForCausalLM, model)  # the one layer shape the decoder computes
     c = model.config
     head = model.lm_head
-    # fp32 layers packed without keep_dense have no dense weight left to read; then the
+    # fp32 layers packed for oneDNN have no dense weight left to read; then the
     # PyTorch path serves every step. Only a tied head may lack it (the embedding is it).
     dropped = [m for m in model.linears() if m.weight.numel() == 0]
     if any(m is not head or not c.tie_word_embeddings for m in dropped):
@@ -125,11 +101,9 @@ def build_native_decoder(model: CausalLM) -> Any | None:
 
     def native(module: object) -> Any:
         lin = getattr(module, "native", None)
-        if lin is None:  # fp32: the kernel over the dense weight, oneDNN's for prefill
+        if lin is None:  # fp32: the kernel over the dense weight, ATen's GEMM for batches
             lin = native_linear_of(module)
-            packed = getattr(module, "packed", None)
-            if packed is not None:
-                lin.set_batched(packed, FP32_BATCHED_MIN_ROWS)
+            lin.set_batched_decode(dispatch.FP32_BATCHED_MIN_ROWS)
         return lin
 
     # A tied head whose dense copy was dropped reads the embedding table, the same matrix.

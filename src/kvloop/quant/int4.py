@@ -5,10 +5,13 @@ GGUF's Q4_1 blocks (w = d * q + m over 32 weights) map onto it exactly: scale = 
 zero = m + 8d; Q4_0 blocks (w = d * (q - 8)) with zero = 0. So those files load without
 re-quantization. Other weights are quantized group-wise from fp32 (asymmetric min/max).
 
-Decode-sized inputs run on kvloop's native kernel (`native`, GGUF's Q4_1 block layout,
-int8 activations) where it is built. Larger ones run `_weight_int4pack_mm_for_cpu`, fast
-with bf16 activations but a scalar loop with fp32 ones (all linears of the default model
-at batch 1: 5.2 vs 136 ms here), so activations go to bf16 for it.
+The layer holds one layout, the native kernels' (GGUF's Q4_1 block order, fp16 scale and
+min per group: kvloop.quant.layout.pack_q4). Where the kernels are built, `native` runs
+every forward: int8 activations at decode sizes, and for batches the weights decoded a
+chunk at a time into a GEMM (kvloop.dispatch). Without the kernels, PyTorch's
+`_weight_int4pack_mm_for_cpu` serves, over its own packing of the weights made on first
+use (fast with bf16 activations, a scalar loop with fp32 ones: all linears of the default
+model at batch 1, 5.2 vs 136 ms here, so activations go to bf16 for it).
 """
 
 from __future__ import annotations
@@ -19,14 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvloop.quant.layout import Q4, dequantize_q4, pack_q4
+from kvloop.dispatch import NATIVE_MAX_ROWS
+from kvloop.quant.layout import Q4, dequantize_q4, pack_q4, unpack_q4
 
 GROUP_SIZE = 32
-# Up to this many rows the native 4-bit kernel runs (decode-sized steps); beyond, PyTorch's
-# tinygemm kernel with bf16 activations was faster here (512-token prefill: 587 vs 480
-# tok/s), so prefill keeps it, unless the native layer has the bf16 copy of its weights
-# for batches (CPUs with AVX512-BF16), which is faster than both.
-NATIVE_MAX_ROWS = 64
 
 
 @dataclass
@@ -64,8 +63,6 @@ class Int4Weights:
 
 
 class Int4Linear(nn.Module):
-    packed: torch.Tensor
-    scales_zeros: torch.Tensor
     native_packed: torch.Tensor
 
     def __init__(self, w: Int4Weights, bias: torch.Tensor | None = None) -> None:
@@ -73,21 +70,17 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = w.codes.shape
         if self.in_features % GROUP_SIZE:
             raise ValueError(f"int4 needs in_features divisible by {GROUP_SIZE}")
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(w.codes.to(torch.int32), 1)
-        self.register_buffer("packed", packed)
-        # [K / 32, N, 2]: (scale, zero) per group and output channel, as the kernel wants.
-        sz = torch.stack([w.scales.t(), w.zeros.t()], dim=-1).contiguous()
-        self.register_buffer("scales_zeros", sz.to(torch.bfloat16))
-        # The native kernels' layout: GGUF-style groups with fp16 scale and min (w = s q + m).
+        # GGUF-style groups with an fp16 scale and min (w = s q + m): the one layout held.
         self.register_buffer("native_packed", pack_q4(w.codes, w.scales, w.zeros - 8.0 * w.scales))
         self.bias = bias
         # The native kernel over these weights (kvloop.models.native sets it when the
         # kernels are built); PyTorch's kernel is the fallback.
         self.native: Any = None
+        self._tinygemm: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def weight_bytes(self) -> int:
-        return self.packed.numel() + self.scales_zeros.numel() * 2
+        return self.native_packed.numel()
 
     def native_spec(self) -> tuple[int, torch.Tensor, int, torch.Tensor | None,
                                    torch.Tensor | None]:
@@ -97,12 +90,24 @@ class Int4Linear(nn.Module):
     def dequantize(self) -> torch.Tensor:  # [N, K] fp32, as the native kernels decode it
         return dequantize_q4(self.native_packed, self.in_features)
 
+    def _fallback_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """PyTorch's tinygemm packing of the same codes, made once, only where the native
+        kernels are not built."""
+        if self._tinygemm is None:
+            codes, scales, mins = unpack_q4(self.native_packed, self.in_features)
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+            # [K / 32, N, 2]: (scale, zero) per group and output channel, w = s (q - 8) + z.
+            sz = torch.stack([scales.t(), (mins + 8.0 * scales).t()], dim=-1)
+            self._tinygemm = packed, sz.to(torch.bfloat16).contiguous()
+        return self._tinygemm
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         native = self.native
         if native is not None and (x.shape[0] <= NATIVE_MAX_ROWS or native.batched_min_rows):
             return native.forward(x)  # type: ignore[no-any-return]
+        packed, scales_zeros = self._fallback_weights()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16), self.packed, GROUP_SIZE, self.scales_zeros)
+            x.to(torch.bfloat16), packed, GROUP_SIZE, scales_zeros)
         y = y.float()
         return y if self.bias is None else y + self.bias
 

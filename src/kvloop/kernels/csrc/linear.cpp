@@ -20,6 +20,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/linear.h>
 
 #include <algorithm>
 #include <cmath>
@@ -690,13 +691,115 @@ void QLinear::set_batched(const at::Tensor& w, int64_t min_rows) {
               "quantized weights, fp32 for fp32 ones)");
   TORCH_CHECK(min_rows >= 1, "min_rows must be >= 1");
   batched = w;
+  batched_decode = false;
   batched_min_rows = min_rows;
+}
+
+void QLinear::set_batched_decode(int64_t min_rows, bool bf16) {
+  TORCH_CHECK(min_rows >= 1, "min_rows must be >= 1");
+  batched = at::Tensor();
+  batched_decode = true;
+  batched_bf16 = bf16;
+  batched_min_rows = min_rows;
+}
+
+namespace {
+// fp32 -> bf16, round to nearest even (c10::BFloat16's rounding, without its NaN branch:
+// decoded weights are finite), in a form the compiler vectorizes.
+inline uint16_t to_bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+inline void store(float* out, float v) { *out = v; }
+inline void store(at::BFloat16* out, float v) {
+  const uint16_t b = to_bf16_bits(v);
+  std::memcpy(out, &b, 2);
+}
+
+// One weight row, K values: w = scale * code (+ min), in fp32 as the kernels compute it
+// (the product is exact in every layout: kvloop.quant.layout), then stored as T.
+template <typename T>
+void decode_row(const QLinear& L, int64_t n, T* out) {
+  const int64_t K = L.in_features;
+  switch (L.kind) {
+    case WeightKind::F32: {
+      const float* w = L.weight.data_ptr<float>() + n * K;
+      for (int64_t k = 0; k < K; ++k) store(out + k, w[k]);
+      break;
+    }
+    case WeightKind::Q8: {
+      const int8_t* q = L.weight.data_ptr<int8_t>() + n * K;
+      const float s = L.scales.data_ptr<float>()[n];
+      for (int64_t k = 0; k < K; ++k) store(out + k, s * static_cast<float>(q[k]));
+      break;
+    }
+    case WeightKind::Q4:
+    case WeightKind::Q4F: {
+      const bool f32s = L.kind == WeightKind::Q4F;
+      const int64_t nb = K / kGroup, width = f32s ? 4 : 2;
+      const uint8_t* row = L.weight.data_ptr<uint8_t>() + n * nb * (f32s ? kQ4FBlock : kQ4Block);
+      const uint8_t* codes = row + 2 * width * nb;
+      for (int64_t g = 0; g < nb; ++g) {
+        const float sc = f32s ? scale_at<true>(row, g) : scale_at<false>(row, g);
+        const float mn = f32s ? scale_at<true>(row + 4 * nb, g) : scale_at<false>(row + 2 * nb, g);
+        const uint8_t* b = codes + g * (kGroup / 2);
+        T* o = out + g * kGroup;
+        for (int j = 0; j < kGroup / 2; ++j) {
+          store(o + j, sc * static_cast<float>(b[j] & 0x0F) + mn);
+          store(o + j + kGroup / 2, sc * static_cast<float>(b[j] >> 4) + mn);
+        }
+      }
+      break;
+    }
+    case WeightKind::Q8B: {
+      const int8_t* q = L.weight.data_ptr<int8_t>() + n * K;
+      const int64_t G = L.group, ng = K / G;
+      const uint8_t* S = static_cast<const uint8_t*>(L.scales.data_ptr()) +
+                         n * (L.has_min ? 2 : 1) * ng * (L.f32_scales ? 4 : 2);
+      const uint8_t* Mn = S + ng * (L.f32_scales ? 4 : 2);
+      for (int64_t g = 0; g < ng; ++g) {
+        const float sc = L.f32_scales ? scale_at<true>(S, g) : scale_at<false>(S, g);
+        const float mn = !L.has_min ? 0.f
+                         : L.f32_scales ? scale_at<true>(Mn, g) : scale_at<false>(Mn, g);
+        for (int64_t k = g * G; k < (g + 1) * G; ++k)
+          store(out + k, sc * static_cast<float>(q[k]) + mn);
+      }
+      break;
+    }
+  }
+}
+
+template <typename T>
+void decode_rows_into(const QLinear& L, int64_t n0, int64_t n1, T* out) {
+  at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
+    for (int64_t n = a; n < b; ++n) decode_row(L, n, out + (n - n0) * L.in_features);
+  });
+}
+}  // namespace
+
+void QLinear::decode_rows(int64_t n0, int64_t n1, float* out) const {
+  decode_rows_into(*this, n0, n1, out);
+}
+void QLinear::decode_rows(int64_t n0, int64_t n1, at::BFloat16* out) const {
+  decode_rows_into(*this, n0, n1, out);
+}
+
+at::Tensor QLinear::decoded(bool bf16) const {
+  const auto dtype = bf16 ? at::kBFloat16 : at::kFloat;
+  auto out = at::empty({out_features, in_features}, at::TensorOptions().dtype(dtype));
+  if (bf16) {
+    decode_rows(0, out_features, out.data_ptr<at::BFloat16>());
+  } else {
+    decode_rows(0, out_features, out.data_ptr<float>());
+  }
+  return out;
 }
 
 namespace {
 // A flat scratch tensor of at least n elements of `dtype`, reallocated only to grow.
 at::Tensor& grow(at::Tensor& buf, int64_t n, at::ScalarType dtype) {
-  if (!buf.defined() || buf.numel() < n) buf = at::empty({n}, at::TensorOptions().dtype(dtype));
+  if (!buf.defined() || buf.numel() < n || buf.scalar_type() != dtype) buf = at::empty({n}, at::TensorOptions().dtype(dtype));
   return buf;
 }
 
@@ -734,8 +837,45 @@ void QLinear::run_batched(const float* x, int64_t M, QuantizedActs& scratch, flo
   }
 }
 
+void QLinear::run_batched_decode(const float* x, int64_t M, QuantizedActs& scratch,
+                                 float* y) const {
+  const int64_t N = out_features, K = in_features;
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  // fp32 weights stay fp32 (the reference arithmetic, MKL/oneDNN sgemm on the weight
+  // itself); quantized ones meet bf16 activations, as with a prepacked bf16 copy.
+  const bool bf16 = kind != WeightKind::F32 && batched_bf16;
+  at::Tensor xin = at::from_blob(const_cast<float*>(x), {M, K}, f32);
+  if (bf16) {
+    auto xb = grow(scratch.xb, M * K, at::kBFloat16).narrow(0, 0, M * K).view({M, K});
+    xin = xb.copy_(xin);
+  }
+  auto out = at::from_blob(y, {M, N}, f32);
+  // Chunks of weight rows: decoded once, applied to every activation row, so the scratch
+  // stays small (a vocabulary-sized head included) and in cache while the GEMM reads it.
+  const int64_t chunk = std::max<int64_t>(
+      64, kDecodeChunkBytes / (K * (bf16 ? 2 : 4)) / 64 * 64);
+  for (int64_t n0 = 0; n0 < N; n0 += chunk) {
+    const int64_t rows = std::min(chunk, N - n0);
+    at::Tensor w;
+    if (kind == WeightKind::F32) {
+      w = weight.narrow(0, n0, rows);
+    } else if (bf16) {
+      w = grow(scratch.wb, rows * K, at::kBFloat16).narrow(0, 0, rows * K).view({rows, K});
+      decode_rows(n0, n0 + rows, w.data_ptr<at::BFloat16>());
+    } else {
+      w = grow(scratch.wb, rows * K, at::kFloat).narrow(0, 0, rows * K).view({rows, K});
+      decode_rows(n0, n0 + rows, w.data_ptr<float>());
+    }
+    // [M, rows] in the weights' dtype (fp32 sums inside), widened exactly into y.
+    out.narrow(1, n0, rows).copy_(at::linear(xin, w));
+  }
+  if (bias.has_value()) out.add_(*bias);
+}
+
 void QLinear::apply(const float* x, int64_t M, QuantizedActs& acts, float* y) const {
-  if (batched.defined() && M >= batched_min_rows) {
+  if (batched_decode && M >= batched_min_rows) {
+    run_batched_decode(x, M, acts, y);
+  } else if (batched.defined() && M >= batched_min_rows) {
     run_batched(x, M, acts, y);
   } else if (quantized()) {
     quantize_acts(x, M, in_features, acts);
