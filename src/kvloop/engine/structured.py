@@ -21,7 +21,9 @@ from typing import Any
 
 import llguidance as llg
 import torch
-from llguidance.torch import fill_next_token_bitmask
+# llguidance.numpy, not llguidance.torch: the latter's import compiles a torch.compile
+# kernel kvloop does not use and pulls in dynamo and inductor (2 s of every start).
+from llguidance.numpy import fill_next_token_bitmask
 
 from kvloop.errors import InvalidParamsError
 from kvloop.loading.tokenizer import Tokenizer
@@ -127,12 +129,13 @@ class GrammarCompiler:
         was. Past a draft the grammar refuses (the model rejects it, as its mask bans it)
         the rows repeat the last mask: they are never sampled, but must be finite."""
         masks = torch.empty(1 + len(drafts), (self.vocab_size + 31) // 32, dtype=torch.int32)
-        fill_next_token_bitmask(m, masks, 0)
+        rows = masks.numpy()  # the same memory
+        fill_next_token_bitmask(m, rows, 0)
         consumed = 0
         for i, token in enumerate(drafts, start=1):
             if consumed == i - 1 and m.try_consume_tokens([token]) == 1:
                 consumed += 1
-                fill_next_token_bitmask(m, masks, i)
+                fill_next_token_bitmask(m, rows, i)
             else:
                 masks[i] = masks[i - 1]
         if consumed:
@@ -144,8 +147,9 @@ class GrammarCompiler:
         tensor. One after another: llguidance's parallel executor (LLExecutor) measured
         slower here, its threads competing with the forward's for the 2 cores."""
         masks = torch.empty(len(matchers), (self.vocab_size + 31) // 32, dtype=torch.int32)
+        rows = masks.numpy()  # the same memory
         for i, m in enumerate(matchers):
-            fill_next_token_bitmask(m, masks, i)
+            fill_next_token_bitmask(m, rows, i)
         return masks
 
     @staticmethod
