@@ -274,7 +274,7 @@ def test_layers_without_an_exact_stored_layout_stay_fp32(default_gguf: Path) -> 
     ckpt = load_checkpoint(default_gguf)
     model = create_model(ckpt.config)
     model.load_weights(ckpt.weights())
-    source = ckpt.block_weights()
+    source = dict(ckpt.block_weights())  # a mutable copy
     del source["model.layers.0.self_attn.k_proj.weight"]  # a part stored dense: no layout
     w = source["model.layers.1.mlp.down_proj.weight"]  # blocks of another shape
     source["model.layers.1.mlp.down_proj.weight"] = GroupWeights(
@@ -337,3 +337,40 @@ def test_no_architecture_transforms_a_stored_matrix() -> None:
             if name.endswith("norm.weight"):
                 continue
             assert np.array_equal(arch.gguf_tensor(name, w.copy()), w), (arch.name, name)
+
+
+@pytest.mark.parametrize("mode", ["gguf", "int4"])
+def test_stored_layers_are_built_before_loading_and_never_dequantized(
+        default_gguf: Path, mode: str) -> None:
+    """load_model builds the layers whose stored codes are their layout first and asks the
+    loader only for the other tensors (no fp32 copy of those layers ever exists); the
+    model computes what the same quantization applied after a full fp32 load computes."""
+    from kvloop.engine.llm_engine import load_model
+    from kvloop.models import AttentionMetadata, PrefillSegment, create_model
+    from kvloop.models.quantize import quantize_model
+
+    ckpt = load_checkpoint(default_gguf)
+    stream = ckpt.weights
+    asked: list[str] = []
+
+    def spy(skip: Any = ()) -> Any:
+        for name, w in stream(skip):
+            asked.append(name)
+            yield name, w
+
+    ckpt.weights = spy
+    model = load_model(ckpt, pack=False, quantization=mode)
+    linears = [n for n in asked if n.endswith("_proj.weight")]
+    assert not linears, linears[:3]  # every decoder layer came from its stored codes
+    assert "model.embed_tokens.weight" in asked  # the lookup table is still read
+
+    ref = create_model(ckpt.config)
+    ref.load_weights(stream())
+    quantize_model(ref, mode, ckpt.int4_weights() if mode == "int4" else None,
+                   ckpt.block_weights() if mode == "gguf" else None)
+    ids = torch.tensor([1, 504, 3458, 314, 253, 2205, 30])
+    meta = AttentionMetadata(prefills=[PrefillSegment(0, len(ids))])
+    with torch.inference_mode():
+        got = model.compute_logits(model(ids, torch.arange(len(ids)), meta))
+        want = ref.compute_logits(ref(ids, torch.arange(len(ids)), meta))
+    assert torch.equal(got, want)

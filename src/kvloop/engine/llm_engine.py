@@ -33,7 +33,7 @@ from kvloop.loading.tokenizer import Tokenizer
 from kvloop.models import CausalLM, create_model
 from kvloop.models.attention import kv_cache_groups
 from kvloop.models.native import native_supported
-from kvloop.models.quantize import quantize_model
+from kvloop.models.quantize import quantize_model, use_stored_blocks, use_stored_int4
 from kvloop.params import SamplingParams
 from kvloop.quant import QUANTIZATIONS
 from kvloop.request import Request, RequestStatus
@@ -121,13 +121,18 @@ def load_model(checkpoint: Checkpoint, pack: bool = True, quantization: str = "n
     holds one layout: with the native decoder (`native`, for an architecture it runs) the
     fp32 layers keep their dense weight, which its kernels and GEMMs read; otherwise
     (`pack`) oneDNN's prepacked one, which the modules' forward reads."""
-    model = create_model(checkpoint.config)
-    model.load_weights(checkpoint.weights())
+    model = create_model(checkpoint.config)  # uninitialised: no memory is touched yet
     quantization = resolve_quantization(quantization, checkpoint)
-    if quantization != "none":
-        int4 = checkpoint.int4_weights() if quantization == "int4" else None
-        blocks = checkpoint.block_weights() if quantization == "gguf" else None
-        quantize_model(model, quantization, int4, blocks)
+    # Layers whose stored codes are their layout are built from them first, a layer at a
+    # time, and the loader skips their tensors: nothing of them is dequantized to fp32.
+    taken: set[str] = set()
+    if quantization == "gguf":
+        taken = use_stored_blocks(model, checkpoint.block_weights())
+    elif quantization == "int4":
+        taken = use_stored_int4(model, checkpoint.int4_weights())
+    model.load_weights(checkpoint.weights(taken), preloaded=taken)
+    if quantization in ("int8", "int4"):  # the rest, from fp32
+        quantize_model(model, quantization)
     if pack and not (native and native_supported(model)):
         model.pack_weights()  # whatever stayed fp32
     model.eval()

@@ -21,6 +21,7 @@ from typing import Any
 
 import llguidance as llg
 import torch
+
 # llguidance.numpy, not llguidance.torch: the latter's import compiles a torch.compile
 # kernel kvloop does not use and pulls in dynamo and inductor (2 s of every start).
 from llguidance.numpy import fill_next_token_bitmask

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, TypeVar
 
 import gguf
 import numpy as np
@@ -20,7 +20,7 @@ import torch
 from kvloop.config import ModelConfig
 from kvloop.errors import ModelLoadError
 from kvloop.loading.blocks import BLOCK_TYPES, decode
-from kvloop.loading.gguf_reader import GGUFHeader
+from kvloop.loading.gguf_reader import GGUFHeader, TensorInfo
 from kvloop.models.base import Architecture
 from kvloop.models.registry import get_architecture
 from kvloop.quant.int4 import GROUP_SIZE, Int4Weights
@@ -38,6 +38,7 @@ SUPPORTED_TYPES = {
     gguf.GGMLQuantizationType.Q6_K,
 }
 
+_W = TypeVar("_W")
 _BLOCK = re.compile(r"blk\.(\d+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 
@@ -242,13 +243,15 @@ class GGUFFile:
                     f"{t.tensor_type.name} blocks of {block}"
                 )
 
-    def tensors(self, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, fp32 tensor) for every weight the model uses."""
+    def tensors(self, config: ModelConfig,
+                skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, fp32 tensor) for every weight the model uses but those in `skip`
+        (layers already built from their stored blocks: nothing is dequantized for them)."""
         permute = self.arch.gguf_permute_qk
         self.check_tensors()
         for t in self.reader.tensors:
             name = self.hf_name(t.name)
-            if name is None:
+            if name is None or name in skip:
                 continue
             w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
             # numpy order is the reverse of GGML's ne[]: (rows, cols) for a 2-D weight.
@@ -267,49 +270,71 @@ class GGUFFile:
         return any(len(t.shape) == 2 and t.tensor_type in BLOCK_TYPES
                    and self.hf_name(t.name) is not None for t in self.reader.tensors)
 
-    def block_weights(self, config: ModelConfig) -> dict[str, GroupWeights]:
+    def _stored(self, kinds: Collection[gguf.GGMLQuantizationType]) -> dict[str, TensorInfo]:
+        """HF name -> the 2-D tensors the model uses that are stored in one of `kinds`."""
+        return {name: t for t in self.reader.tensors
+                if (name := self.hf_name(t.name)) is not None and len(t.shape) == 2
+                and t.tensor_type in kinds}
+
+    def _row_order(self, name: str, rows: int, config: ModelConfig) -> np.ndarray | None:
+        """The un-permutation of a Q or K projection's rows (None: rows as stored)."""
+        if not self.arch.gguf_permute_qk:
+            return None
+        heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}
+        for suffix, n in heads.items():
+            if name.endswith(suffix):
+                return unpermute_qk(np.arange(rows), n)
+        return None
+
+    def block_weights(self, config: ModelConfig) -> Mapping[str, GroupWeights]:
         """Every 2-D tensor in a block format (kvloop.loading.blocks), as its codes and
-        group scales exactly as stored, renamed and un-permuted like `tensors`."""
-        permute = self.arch.gguf_permute_qk
+        group scales exactly as stored, renamed and un-permuted like `tensors`; each one
+        decoded when it is looked up (one layer's worth of codes in memory at a time)."""
         self.check_tensors()
-        out: dict[str, GroupWeights] = {}
-        for t in self.reader.tensors:
-            name = self.hf_name(t.name)
-            if name is None or len(t.shape) != 2 or t.tensor_type not in BLOCK_TYPES:
-                continue
+
+        def read(name: str, t: TensorInfo) -> GroupWeights:
             rows, cols = (int(d) for d in reversed(t.shape))
             w = decode(np.asarray(t.data), t.tensor_type, rows, cols)
-            heads = {"q_proj.weight": config.num_heads, "k_proj.weight": config.num_kv_heads}
-            for suffix, n in heads.items():
-                if permute and name.endswith(suffix):
-                    w = w.rows(torch.from_numpy(unpermute_qk(np.arange(rows), n)))
-            out[name] = w
-        return out
+            order = self._row_order(name, rows, config)
+            return w if order is None else w.rows(torch.from_numpy(order))
 
-    def int4_weights(self, config: ModelConfig) -> dict[str, Int4Weights]:
+        return _Lazy(self._stored(BLOCK_TYPES), read)
+
+    def int4_weights(self, config: ModelConfig) -> Mapping[str, Int4Weights]:
         """The Q4_0 / Q4_1 tensors as 4-bit codes with group scales and zeros, exactly as
-        stored (no re-quantization), renamed and un-permuted like `tensors`."""
-        permute = self.arch.gguf_permute_qk
-        out: dict[str, Int4Weights] = {}
-        for t in self.reader.tensors:
-            name = self.hf_name(t.name)
-            kind = t.tensor_type
-            if name is None or kind not in (gguf.GGMLQuantizationType.Q4_0,
-                                            gguf.GGMLQuantizationType.Q4_1):
-                continue
-            w = _unpack_q4(np.asarray(t.data), kind == gguf.GGMLQuantizationType.Q4_1)
+        stored (no re-quantization), renamed and un-permuted like `tensors`; each one
+        unpacked when it is looked up."""
+        Q4_0, Q4_1 = gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1
+
+        def read(name: str, t: TensorInfo) -> Int4Weights:
             rows, cols = (int(d) for d in reversed(t.shape))
+            w = _unpack_q4(np.asarray(t.data), t.tensor_type == Q4_1)
             codes, scales, zeros = (a.reshape(rows, -1) for a in w)
-            if permute and name.endswith("q_proj.weight"):
-                codes, scales, zeros = (unpermute_qk(a, config.num_heads)
-                                        for a in (codes, scales, zeros))
-            elif permute and name.endswith("k_proj.weight"):
-                codes, scales, zeros = (unpermute_qk(a, config.num_kv_heads)
-                                        for a in (codes, scales, zeros))
+            order = self._row_order(name, rows, config)
+            if order is not None:
+                codes, scales, zeros = codes[order], scales[order], zeros[order]
             assert codes.shape == (rows, cols)
-            out[name] = Int4Weights(*(torch.from_numpy(np.ascontiguousarray(a))
-                                      for a in (codes, scales, zeros)))
-        return out
+            return Int4Weights(*(torch.from_numpy(np.ascontiguousarray(a))
+                                 for a in (codes, scales, zeros)))
+
+        return _Lazy(self._stored((Q4_0, Q4_1)), read)
+
+
+class _Lazy(Mapping[str, _W]):
+    """Name -> a tensor's weights, read from the map each time it is looked up."""
+
+    def __init__(self, tensors: dict[str, TensorInfo],
+                 read: Callable[[str, TensorInfo], _W]) -> None:
+        self._tensors, self._read = tensors, read
+
+    def __getitem__(self, name: str) -> _W:
+        return self._read(name, self._tensors[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
 
 
 def _is_id(value: Any) -> TypeGuard[int]:

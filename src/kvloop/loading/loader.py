@@ -54,12 +54,15 @@ class Checkpoint:
     path: Path
     config: ModelConfig
     tokenizer: Tokenizer
-    weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]  # (HF name, fp32 tensor)
+    # (HF name, fp32 tensor) of every weight but those named in the argument (layers
+    # already built from their stored codes), read as the stream is consumed.
+    weights: Callable[..., Iterator[tuple[str, torch.Tensor]]]
     # GGUF Q4_0 / Q4_1 tensors as stored (4-bit codes + group scales), for int4 layers.
-    int4_weights: Callable[[], dict[str, Int4Weights]] = dict
+    int4_weights: Callable[[], Mapping[str, Int4Weights]] = dict
     # Every linear tensor in a GGUF block format, as stored (codes + group scales), for
-    # quantization "gguf"; and whether there are any (what "auto" resolves on).
-    block_weights: Callable[[], dict[str, GroupWeights]] = dict
+    # quantization "gguf"; and whether there are any (what "auto" resolves on). Mappings
+    # that read a tensor when it is looked up.
+    block_weights: Callable[[], Mapping[str, GroupWeights]] = dict
     quantized_linears: bool = False
 
 
@@ -195,7 +198,8 @@ def load_checkpoint(model: str | Path | None = None) -> Checkpoint:
         check_model(config, st.tensor_shapes(path), st.CONFIG_KEYS, str(path))
         tokenizer = Tokenizer.from_hf_dir(path)
         hf_path = path
-        return Checkpoint(name, path, config, tokenizer, lambda: st.tensors(hf_path))
+        return Checkpoint(name, path, config, tokenizer,
+                          lambda skip=(): ((n, w) for n, w in st.tensors(hf_path) if n not in skip))
     if not is_gguf(path):
         raise ModelLoadError(f"{path} is not a GGUF file or a Hugging Face model directory")
     f = GGUFFile(path)
@@ -203,6 +207,6 @@ def load_checkpoint(model: str | Path | None = None) -> Checkpoint:
     f.check_tensors()  # an unsupported type is named as such, not as a shape problem
     check_model(config, f.tensor_shapes(), f.config_keys(), path.name, f.gguf_name)
     tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
-    return Checkpoint(name, path, config, tokenizer, lambda: f.tensors(config),
+    return Checkpoint(name, path, config, tokenizer, lambda skip=(): f.tensors(config, skip),
                       lambda: f.int4_weights(config), lambda: f.block_weights(config),
                       f.quantized_linears())

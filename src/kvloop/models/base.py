@@ -6,7 +6,7 @@ runs it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -42,7 +42,9 @@ class CausalLM(Protocol):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [N, hidden] -> [N, V]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+    # `preloaded`: checkpoint tensors whose layers were built already (from stored codes).
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     preloaded: Collection[str] = ()) -> None: ...
 
     def pack_weights(self) -> None: ...
 

@@ -18,7 +18,7 @@ quantization pass treats both alike.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import replace
 from typing import Any, cast
 
@@ -177,10 +177,11 @@ class Gemma3ForCausalLM(nn.Module):
             lin.pack()
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     preloaded: Collection[str] = ()) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up as they arrive."""
         c = self.config
-        loaded: set[str] = set()
+        loaded: set[str] = set(preloaded)  # layers built already (from stored codes)
         qkv_rows = {"q_proj": (0, c.q_size), "k_proj": (c.q_size, c.kv_size),
                     "v_proj": (c.q_size + c.kv_size, c.kv_size)}
         norm_names = ("input_layernorm", "post_attention_layernorm",
@@ -189,9 +190,10 @@ class Gemma3ForCausalLM(nn.Module):
             if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
                 if name == "lm_head.weight" and c.tie_word_embeddings:
                     continue  # stored although tied: the embedding is the head
-                target = {"model.embed_tokens.weight": self.embed_tokens,
-                          "model.norm.weight": self.norm.weight,
-                          "lm_head.weight": self.lm_head.weight}[name]
+                # (the head's weight only when asked: a head built from stored codes has none)
+                target = (self.embed_tokens if name == "model.embed_tokens.weight"
+                          else self.norm.weight if name == "model.norm.weight"
+                          else self.lm_head.weight)
                 target.copy_(w)
                 loaded.add(name)
                 continue
@@ -222,7 +224,7 @@ class Gemma3ForCausalLM(nn.Module):
             else:
                 continue
             loaded.add(name)
-        if c.tie_word_embeddings:
+        if c.tie_word_embeddings and isinstance(self.lm_head, Linear):
             # One tensor for both: at Gemma's 262k vocabulary a copy would be ~60% of the
             # weights again.
             self.lm_head.weight = self.embed_tokens

@@ -9,7 +9,7 @@ decode every extra kernel launch and weight pass is pure overhead.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import replace
 from typing import Any, cast
 
@@ -181,11 +181,12 @@ class LlamaForCausalLM(nn.Module):
             lin.pack()
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
+                     preloaded: Collection[str] = ()) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up as they arrive (Phi-3 stores
         them fused already: qkv_proj, gate_up_proj)."""
         c = self.config
-        loaded: set[str] = set()
+        loaded: set[str] = set(preloaded)  # layers built already (from stored codes)
         qkv_rows = {"q_proj": (0, c.q_size), "k_proj": (c.q_size, c.kv_size),
                     "v_proj": (c.q_size + c.kv_size, c.kv_size)}
         for name, w in weights:
@@ -195,9 +196,10 @@ class LlamaForCausalLM(nn.Module):
             if name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
                 if name == "lm_head.weight" and c.tie_word_embeddings:
                     continue  # stored although tied: the embedding is the head
-                target = {"model.embed_tokens.weight": self.embed_tokens,
-                          "model.norm.weight": self.norm.weight,
-                          "lm_head.weight": self.lm_head.weight}[name]
+                # (the head's weight only when asked: a head built from stored codes has none)
+                target = (self.embed_tokens if name == "model.embed_tokens.weight"
+                          else self.norm.weight if name == "model.norm.weight"
+                          else self.lm_head.weight)
                 target.copy_(w)
                 loaded.add(name)
                 continue
@@ -234,7 +236,8 @@ class LlamaForCausalLM(nn.Module):
             else:
                 continue
             loaded.add(name)
-        if c.tie_word_embeddings:  # one matrix, held once: the head reads the embedding's
+        if c.tie_word_embeddings and isinstance(self.lm_head, Linear):  # held once: the head
+            # reads the embedding's matrix
             self.lm_head.weight = nn.Parameter(self.embed_tokens.detach(), requires_grad=False)
         expected = self.expected_tensors().keys()
         if loaded != expected:
