@@ -14,6 +14,13 @@ from kvloop.engine.llm_engine import LLMEngine
 from kvloop.loading.loader import DEFAULT_MODEL_FILE, default_model_path
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_layout_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Each test run starts with an empty layout cache of its own (never the user's), so
+    first loads are exercised and a stale file from another run cannot hide a bug."""
+    os.environ["KVLOOP_CACHE_DIR"] = str(tmp_path_factory.mktemp("kvloop-cache"))
+
+
 def require_native_kernels() -> None:
     """Skip a kernel test where the native kernels cannot be built, unless the run asks
     for them (``KVLOOP_REQUIRE_KERNELS=1``, set by ``make test``): there a failed build

@@ -342,9 +342,10 @@ def test_no_architecture_transforms_a_stored_matrix() -> None:
 @pytest.mark.parametrize("mode", ["gguf", "int4"])
 def test_stored_layers_are_built_before_loading_and_never_dequantized(
         default_gguf: Path, mode: str) -> None:
-    """load_model builds the layers whose stored codes are their layout first and asks the
-    loader only for the other tensors (no fp32 copy of those layers ever exists); the
-    model computes what the same quantization applied after a full fp32 load computes."""
+    """load_model builds the layers whose stored codes are their layout first (and the
+    embedding table as its blocks) and asks the loader only for the other tensors (no
+    fp32 copy of those ever exists); the model computes what the same quantization
+    applied after a full fp32 load computes."""
     from kvloop.engine.llm_engine import load_model
     from kvloop.models import AttentionMetadata, PrefillSegment, create_model
     from kvloop.models.quantize import quantize_model
@@ -362,7 +363,10 @@ def test_stored_layers_are_built_before_loading_and_never_dequantized(
     model = load_model(ckpt, pack=False, quantization=mode)
     linears = [n for n in asked if n.endswith("_proj.weight")]
     assert not linears, linears[:3]  # every decoder layer came from its stored codes
-    assert "model.embed_tokens.weight" in asked  # the lookup table is still read
+    # The lookup table is its stored blocks too (the tied head's own under gguf).
+    assert "model.embed_tokens.weight" not in asked and model.embed_stored is not None
+    assert model.embed_tokens.numel() == 0
+    assert (model.embed_stored is model.lm_head) == (mode == "gguf")
 
     ref = create_model(ckpt.config)
     ref.load_weights(stream())

@@ -269,7 +269,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         outs = llm.generate(prompts, params, use_tqdm=bool(args.prompts_file))
         for i, out in enumerate(outs):
             if args.json:
-                print(json.dumps(_output_json(out, params)))
+                print(json.dumps({**_output_json(out, params), "load_seconds": llm.load_seconds}))
                 continue
             for comp in out.outputs:
                 label = f"prompt {i}" if args.prompts_file else ""
@@ -287,7 +287,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         last = out
     assert last is not None
     if args.json:
-        print(json.dumps(_output_json(last, params)))
+        print(json.dumps({**_output_json(last, params), "load_seconds": llm.load_seconds}))
     else:
         sys.stdout.write("\n")
         print(_figures(last.metrics.as_dict()), file=sys.stderr)

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import fields
 from pathlib import Path
@@ -40,8 +41,12 @@ class LLM:
     def __init__(self, model: str | Path | None = None, **engine_options: Any) -> None:
         """`engine_options` are EngineConfig fields (use_cache, kv_cache_memory, ...).
 
-        A bad option raises InvalidParamsError naming it before the model is loaded."""
-        self.engine = LLMEngine(model, engine_config(**engine_options))
+        A bad option raises InvalidParamsError naming it before the model is loaded.
+        `load_seconds`: how long the engine took to be ready (model, tokenizer, caches)."""
+        config = engine_config(**engine_options)
+        start = time.perf_counter()
+        self.engine = LLMEngine(model, config)
+        self.load_seconds = time.perf_counter() - start
         self.tokenizer = self.engine.tokenizer
 
     # -- batch ---------------------------------------------------------------------------------

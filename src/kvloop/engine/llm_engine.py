@@ -28,12 +28,20 @@ from kvloop.engine.outputs import CompletionOutput, RequestOutput
 from kvloop.engine.structured import GrammarCompiler, LLMatcher
 from kvloop.errors import InvalidParamsError, ModelLoadError, PromptTooLongError
 from kvloop.kv_cache import KVCacheManager, blocks_for_sequence
+from kvloop.loading.layout_cache import LayoutCache, cache_dir
 from kvloop.loading.loader import Checkpoint, load_checkpoint
 from kvloop.loading.tokenizer import Tokenizer
 from kvloop.models import CausalLM, create_model
 from kvloop.models.attention import kv_cache_groups
 from kvloop.models.native import native_supported
-from kvloop.models.quantize import quantize_model, use_stored_blocks, use_stored_int4
+from kvloop.models.quantize import (
+    quantize_model,
+    quantized_layers,
+    use_cached_layers,
+    use_stored_blocks,
+    use_stored_embedding,
+    use_stored_int4,
+)
 from kvloop.params import SamplingParams
 from kvloop.quant import QUANTIZATIONS
 from kvloop.request import Request, RequestStatus
@@ -115,6 +123,20 @@ def resolve_quantization(quantization: str, checkpoint: Checkpoint) -> str:
     return "gguf" if checkpoint.quantized_linears else "none"
 
 
+def layout_cache(checkpoint: Checkpoint, quantization: str) -> LayoutCache | None:
+    """The layout cache of a checkpoint's re-quantized layers (int8, int4: the layouts
+    that take work to build), for a model file; None for other modes, for a directory of
+    safetensors, or with the cache turned off (KVLOOP_LAYOUT_CACHE=0)."""
+    if quantization not in ("int8", "int4") or not checkpoint.path.is_file() \
+            or cache_dir() is None:
+        return None
+    try:
+        isa = kernels.build.kernel_isa()
+    except RuntimeError:  # a KVLOOP_ISA this CPU cannot run (the kernels say so)
+        isa = "none"
+    return LayoutCache(checkpoint.path, {"quantization": quantization, "isa": isa})
+
+
 def load_model(checkpoint: Checkpoint, pack: bool = True, quantization: str = "none",
                native: bool = False) -> CausalLM:
     """The checkpoint's model with its linear layers in `quantization`'s layout. Each layer
@@ -123,16 +145,30 @@ def load_model(checkpoint: Checkpoint, pack: bool = True, quantization: str = "n
     (`pack`) oneDNN's prepacked one, which the modules' forward reads."""
     model = create_model(checkpoint.config)  # uninitialised: no memory is touched yet
     quantization = resolve_quantization(quantization, checkpoint)
-    # Layers whose stored codes are their layout are built from them first, a layer at a
-    # time, and the loader skips their tensors: nothing of them is dequantized to fp32.
+    # Layers that are ready-made are installed first and the loader skips their tensors,
+    # so nothing of them is dequantized to fp32: re-quantized layouts from the layout
+    # cache, else layers whose stored codes are their layout, built a layer at a time.
+    cache = layout_cache(checkpoint, quantization)
+    cached = cache.load() if cache is not None else None
     taken: set[str] = set()
-    if quantization == "gguf":
+    if cached is not None:
+        try:
+            taken = use_cached_layers(model, cached, checkpoint.tensor_names)
+        except ValueError as e:  # another model's shapes: never used, rebuilt
+            logger.warning("layout cache %s does not fit this model (%s): rebuilding it",
+                           cache.path if cache else "", e)
+            cached = None
+    if cached is None and quantization == "gguf":
         taken = use_stored_blocks(model, checkpoint.block_weights())
-    elif quantization == "int4":
+    elif cached is None and quantization == "int4":
         taken = use_stored_int4(model, checkpoint.int4_weights())
+    if quantization != "none":
+        taken |= use_stored_embedding(model, checkpoint.block_weights())
     model.load_weights(checkpoint.weights(taken), preloaded=taken)
-    if quantization in ("int8", "int4"):  # the rest, from fp32
+    if cached is None and quantization in ("int8", "int4"):  # the rest, from fp32
         quantize_model(model, quantization)
+        if cache is not None:
+            cache.save(quantized_layers(model))
     if pack and not (native and native_supported(model)):
         model.pack_weights()  # whatever stayed fp32
     model.eval()

@@ -49,6 +49,12 @@ def cpu_isas() -> list[str]:
     return isas
 
 
+def kernel_isa() -> str:
+    """The build the kernels use on this CPU (see _isa); RuntimeError for a KVLOOP_ISA this
+    CPU cannot run."""
+    return _isa()
+
+
 def _isa() -> str:
     """The instruction set to build for: the CPU's best, or ``KVLOOP_ISA`` if it can run it.
 

@@ -64,6 +64,7 @@ class Checkpoint:
     # that read a tensor when it is looked up.
     block_weights: Callable[[], Mapping[str, GroupWeights]] = dict
     quantized_linears: bool = False
+    tensor_names: frozenset[str] = frozenset()  # HF names of the tensors the file holds
 
 
 def default_model_path() -> Path:
@@ -195,18 +196,21 @@ def load_checkpoint(model: str | Path | None = None) -> Checkpoint:
         if not st.is_hf_dir(path):
             raise ModelLoadError(f"{path} is not a model directory (no config.json)")
         config = st.read_config(path)
-        check_model(config, st.tensor_shapes(path), st.CONFIG_KEYS, str(path))
+        shapes = st.tensor_shapes(path)
+        check_model(config, shapes, st.CONFIG_KEYS, str(path))
         tokenizer = Tokenizer.from_hf_dir(path)
         hf_path = path
         return Checkpoint(name, path, config, tokenizer,
-                          lambda skip=(): ((n, w) for n, w in st.tensors(hf_path) if n not in skip))
+                          lambda skip=(): ((n, w) for n, w in st.tensors(hf_path) if n not in skip),
+                          tensor_names=frozenset(shapes))
     if not is_gguf(path):
         raise ModelLoadError(f"{path} is not a GGUF file or a Hugging Face model directory")
     f = GGUFFile(path)
     config = f.config()
     f.check_tensors()  # an unsupported type is named as such, not as a shape problem
-    check_model(config, f.tensor_shapes(), f.config_keys(), path.name, f.gguf_name)
+    shapes = f.tensor_shapes()
+    check_model(config, shapes, f.config_keys(), path.name, f.gguf_name)
     tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
     return Checkpoint(name, path, config, tokenizer, lambda skip=(): f.tensors(config, skip),
                       lambda: f.int4_weights(config), lambda: f.block_weights(config),
-                      f.quantized_linears())
+                      f.quantized_linears(), frozenset(shapes))

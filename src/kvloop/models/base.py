@@ -26,7 +26,10 @@ class CausalLM(Protocol):
     them), the head is ``lm_head``."""
 
     config: ModelConfig
-    embed_tokens: nn.Parameter
+    embed_tokens: nn.Parameter  # [vocab, hidden] fp32; empty when embed_stored holds it
+    # The embedding table as a checkpoint's blocks (kvloop.quant.BlockLinear: rows decoded
+    # as tokens look them up), or None; with tied embeddings it is the head itself.
+    embed_stored: nn.Module | None
     layers: nn.ModuleList
 
     @property
@@ -41,6 +44,8 @@ class CausalLM(Protocol):
     ) -> torch.Tensor: ...  # [T, hidden], final-normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [N, hidden] -> [N, V]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...  # [T] -> [T, hidden] fp32
 
     # `preloaded`: checkpoint tensors whose layers were built already (from stored codes).
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],

@@ -34,6 +34,7 @@ from kvloop.models.attention import AttentionMetadata, layer_metadata
 from kvloop.models.base import Architecture, ConfigReader, Dim, config_dims
 from kvloop.models.linear import Linear
 from kvloop.models.rope import RotaryEmbedding
+from kvloop.quant import BlockLinear
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # Defaults of HF's Gemma3TextConfig, for config.json files that leave them out.
@@ -118,6 +119,7 @@ class Gemma3ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = _param(config.vocab_size, config.hidden_size)
+        self.embed_stored: nn.Module | None = None  # set by the loader (CausalLM)
         self.layers = nn.ModuleList(self.layer_cls(config, i) for i in range(config.num_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size)
@@ -136,7 +138,7 @@ class Gemma3ForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor] | None = None,  # one [2, Hkv, slots, D] per layer
     ) -> torch.Tensor:  # [T, hidden], final-normed
         c = self.config
-        x = F.embedding(input_ids, self.embed_tokens) * self.embed_scale  # [T, hidden]
+        x = self.embed(input_ids) * self.embed_scale  # [T, hidden]
         rope_global = self.rope.cos_sin(positions)
         rope_local = self.local_rope.cos_sin(positions)
         num_slots = kv_caches[0].shape[2] if kv_caches else 0
@@ -147,6 +149,11 @@ class Gemma3ForCausalLM(nn.Module):
             cache = None if kv_caches is None else kv_caches[i]
             x = layer(x, rope_local if layer.sliding else rope_global, cache, metas[i])
         return self.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        if self.embed_stored is not None:
+            return cast(BlockLinear, self.embed_stored).rows(input_ids)
+        return F.embedding(input_ids, self.embed_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
         logits = self.lm_head(hidden)
@@ -168,7 +175,9 @@ class Gemma3ForCausalLM(nn.Module):
         norms; of the embedding table only one row per token, so it is left out."""
         norms = sum(m.scale.numel() * m.scale.element_size()
                     for m in self.modules() if isinstance(m, GemmaRMSNorm))
-        linears = sum(int(getattr(m, "weight_bytes", 0)) for m in self.modules())
+        # (The embedding's stored blocks too, if they are the tied head: not otherwise.)
+        linears = sum(int(getattr(m, "weight_bytes", 0)) for m in self.modules()
+                      if m is not self.embed_stored or m is self.lm_head)
         return linears + norms
 
     def pack_weights(self) -> None:
@@ -224,7 +233,7 @@ class Gemma3ForCausalLM(nn.Module):
             else:
                 continue
             loaded.add(name)
-        if c.tie_word_embeddings and isinstance(self.lm_head, Linear):
+        if c.tie_word_embeddings and isinstance(self.lm_head, Linear) and self.embed_stored is None:
             # One tensor for both: at Gemma's 262k vocabulary a copy would be ~60% of the
             # weights again.
             self.lm_head.weight = self.embed_tokens

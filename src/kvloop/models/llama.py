@@ -23,6 +23,7 @@ from kvloop.models.attention import AttentionMetadata, layer_metadata, paged_att
 from kvloop.models.base import Architecture, ConfigReader, Dim, config_dims
 from kvloop.models.linear import Linear
 from kvloop.models.rope import RotaryEmbedding
+from kvloop.quant import BlockLinear
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -130,6 +131,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = _param(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.layer_cls(config) for _ in range(config.num_layers))
+        self.embed_stored: nn.Module | None = None  # set by the loader (CausalLM)
         # Mistral (every layer), Qwen2/3 with use_sliding_window (the upper layers): these
         # layers see only the last `sliding_window` positions.
         self.sliding = [config.is_sliding(i) for i in range(config.num_layers)]
@@ -145,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor] | None = None,  # one [2, Hkv, slots, D] per layer
     ) -> torch.Tensor:  # [T, hidden], final-normed
         c = self.config
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = self.embed(input_ids)
         rope = self.rope.cos_sin(positions)
         # Each layer's KV cache group's metadata, windowed for sliding layers.
         metas = layer_metadata(meta, positions, self.sliding, c.sliding_window,
@@ -153,6 +155,11 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, None if kv_caches is None else kv_caches[i], metas[i])
         return self.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
+        if self.embed_stored is not None:
+            return cast(BlockLinear, self.embed_stored).rows(input_ids)
+        return F.embedding(input_ids, self.embed_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
         return self.lm_head(hidden)
@@ -171,7 +178,9 @@ class LlamaForCausalLM(nn.Module):
         norms = sum(m.weight.numel() * m.weight.element_size()
                     for m in self.modules() if isinstance(m, RMSNorm))
         # Every linear layer, fp32 or quantized, knows the bytes it reads.
-        linears = sum(int(getattr(m, "weight_bytes", 0)) for m in self.modules())
+        # (The embedding's stored blocks too, if they are the tied head: not otherwise.)
+        linears = sum(int(getattr(m, "weight_bytes", 0)) for m in self.modules()
+                      if m is not self.embed_stored or m is self.lm_head)
         return linears + norms
 
     def pack_weights(self) -> None:
@@ -236,8 +245,9 @@ class LlamaForCausalLM(nn.Module):
             else:
                 continue
             loaded.add(name)
-        if c.tie_word_embeddings and isinstance(self.lm_head, Linear):  # held once: the head
-            # reads the embedding's matrix
+        # Held once: the head reads the embedding's matrix (a table kept as stored blocks
+        # gave the head its own: kvloop.models.quantize.use_stored_embedding).
+        if c.tie_word_embeddings and isinstance(self.lm_head, Linear) and self.embed_stored is None:
             self.lm_head.weight = nn.Parameter(self.embed_tokens.detach(), requires_grad=False)
         expected = self.expected_tensors().keys()
         if loaded != expected:

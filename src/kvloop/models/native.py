@@ -111,10 +111,12 @@ def build_native_decoder(model: CausalLM) -> Any | None:
     # greedy token of 2 of 8 chat replies (benchmarks/quant_quality.py).
     lm_head = (native_linear(F32, model.embed_tokens.detach(), c.hidden_size)
                if head in dropped else native(head))
+    # The embedding: its stored blocks (rows decoded as tokens look them up) or fp32.
+    embed = (native(model.embed_stored) if model.embed_stored is not None
+             else native_linear(F32, model.embed_tokens.detach(), c.hidden_size))
     dec = kernels.native_module().Decoder(
-        c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps,
-        model.embed_tokens.detach(), model.rope.cos, model.rope.sin,
-        model.norm.weight.detach(), lm_head)
+        c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, embed, model.rope.cos,
+        model.rope.sin, model.norm.weight.detach(), lm_head)
     for layer in model.layers:
         layer = cast(DecoderLayer, layer)
         attn, mlp = layer.self_attn, layer.mlp

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import cast
 
+import torch
 from torch import nn
+from tqdm import tqdm
 
 from kvloop import kernels
 from kvloop.models.base import CausalLM
@@ -32,18 +34,24 @@ _SOURCES = {
 }
 
 
-def _layers(model: CausalLM, source: Mapping[str, object]
-            ) -> Iterator[tuple[nn.Module, str, list[str]]]:
-    """(owner module, attribute, checkpoint tensor names) of every linear layer of the
-    decoder layers, fused ones naming their parts in row order (or the fused tensor itself
-    where the checkpoint stores it so: Phi-3)."""
+def _decoder_linears(model: CausalLM, source: Collection[str]
+                     ) -> Iterator[tuple[str, nn.Module, str, list[str]]]:
+    """(path, owner module, attribute, checkpoint tensor names) of every linear layer of
+    the decoder layers, fused ones naming their parts in row order (or the fused tensor
+    itself where the checkpoint, `source`, stores it so: Phi-3)."""
     for i, layer in enumerate(model.layers):
         for fused, parts in _SOURCES.items():
             owner_name, attr = fused.split(".")
             whole = f"model.layers.{i}.{fused}.weight"
             names = [whole] if whole in source else [f"model.layers.{i}.{p}.weight"
                                                      for p in parts]
-            yield cast(nn.Module, getattr(layer, owner_name)), attr, names
+            yield f"layers.{i}.{fused}", cast(nn.Module, getattr(layer, owner_name)), attr, names
+
+
+def _layers(model: CausalLM, source: Collection[str]
+            ) -> Iterator[tuple[nn.Module, str, list[str]]]:
+    for _, owner, attr, names in _decoder_linears(model, source):
+        yield owner, attr, names
 
 
 def quantize_model(model: CausalLM, mode: str,
@@ -66,10 +74,12 @@ def quantize_model(model: CausalLM, mode: str,
         return
     if mode == "int4" and int4_source:
         use_stored_int4(model, int4_source)
-    for owner, attr, _ in _layers(model, {}):
+    todo = [(o, a) for o, a, _ in _layers(model, ()) if isinstance(getattr(o, a), Linear)]
+    # A first load that re-quantizes shows its progress (after a second: quick ones don't);
+    # later loads read the result from the layout cache.
+    for owner, attr in tqdm(todo, desc=f"quantizing to {mode}", unit="layer", delay=1.0,
+                            leave=False):
         lin = getattr(owner, attr)
-        if not isinstance(lin, Linear):
-            continue
         new: nn.Module = (Int8Linear.from_dense(lin.weight, lin.bias) if mode == "int8"
                           else Int4Linear(Int4Weights.from_dense(lin.weight), lin.bias))
         setattr(owner, attr, new)
@@ -137,4 +147,77 @@ def use_stored_blocks(model: CausalLM, source: Mapping[str, GroupWeights]) -> se
     head = ("lm_head.weight" if "lm_head.weight" in source or not model.config.tie_word_embeddings
             else "model.embed_tokens.weight")
     swap(cast(nn.Module, model), "lm_head", [head], is_head=True)
+    return taken
+
+
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def use_stored_embedding(model: CausalLM, source: Mapping[str, GroupWeights]) -> set[str]:
+    """The embedding table as its stored blocks, when the checkpoint stores it so: each
+    looked-up row is decoded (the values the fp32 table would hold, at a quarter of its
+    memory or less). With tied embeddings and a head built from the same blocks
+    (use_stored_blocks), the head is the table: one copy serves both. A tied head still
+    fp32 (or to be re-quantized) gets the dense matrix decoded from the blocks. Returns
+    the tensor name taken (the loader skips it), or nothing."""
+    if EMBEDDING not in source:
+        return set()
+    head = model.lm_head
+    tied = model.config.tie_word_embeddings
+    table = head if tied and isinstance(head, BlockLinear) else BlockLinear(source[EMBEDDING])
+    if tuple(table.weight_q.shape[:1]) != tuple(model.embed_tokens.shape[:1]):
+        return set()  # not this model's table (load_weights will say what is wrong)
+    owner = cast(nn.Module, model)
+    owner.embed_stored = table
+    owner.embed_tokens = nn.Parameter(torch.empty(0), requires_grad=False)  # not held
+    if tied and isinstance(head, Linear):
+        head.weight = nn.Parameter(table.dequantize(), requires_grad=False)
+    return {EMBEDDING}
+
+
+def quantized_layers(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The int8 / int4 layers' tensors by layer path (`layers.3.mlp.down_proj.int8.qweight`,
+    `lm_head.int8.scales`, ...): what a layout cache keeps (biases are checkpoint tensors,
+    loaded as ever)."""
+    out: dict[str, torch.Tensor] = {}
+    paths = [(p, getattr(o, a)) for p, o, a, _ in _decoder_linears(model, ())]
+    for path, m in [*paths, ("lm_head", model.lm_head)]:
+        if isinstance(m, Int8Linear):
+            out[f"{path}.int8.qweight"], out[f"{path}.int8.scales"] = m.qweight, m.scales
+        elif isinstance(m, Int4Linear):
+            out[f"{path}.int4.packed"] = m.native_packed
+    return out
+
+
+def use_cached_layers(model: CausalLM, tensors: Mapping[str, torch.Tensor],
+                      checkpoint_names: Collection[str]) -> set[str]:
+    """Install the layers `quantized_layers` gave (before the weights are loaded: biases
+    arrive later, into the same Parameter objects). Every decoder layer and the head must
+    be there with the shapes this model wants, or ValueError (before anything changes).
+    Returns the checkpoint tensor names the loader can skip."""
+    plan: list[tuple[nn.Module, str, nn.Module]] = []
+    taken: set[str] = set()
+    decoder = [(p, o, a, n) for p, o, a, n in _decoder_linears(model, checkpoint_names)]
+    head_names = [] if model.config.tie_word_embeddings else ["lm_head.weight"]
+    for path, owner, attr, names in [*decoder,
+                                     ("lm_head", cast(nn.Module, model), "lm_head", head_names)]:
+        lin = getattr(owner, attr)
+        if not isinstance(lin, Linear):
+            raise ValueError(f"{path} is not an fp32 layer to replace")
+        shape = (lin.out_features, lin.in_features)
+        if f"{path}.int8.qweight" in tensors:
+            q, sc = tensors[f"{path}.int8.qweight"], tensors[f"{path}.int8.scales"]
+            if tuple(q.shape) != shape or q.dtype != torch.int8 or tuple(sc.shape) != shape[:1]:
+                raise ValueError(f"{path}: cached int8 layer of the wrong shape")
+            new: nn.Module = Int8Linear(q, sc, lin.bias)
+        elif f"{path}.int4.packed" in tensors:
+            new = Int4Linear.from_packed(tensors[f"{path}.int4.packed"], lin.in_features, lin.bias)
+            if new.out_features != lin.out_features:
+                raise ValueError(f"{path}: cached int4 layer of the wrong shape")
+        else:
+            raise ValueError(f"{path} is not in the cache")
+        plan.append((owner, attr, new))
+        taken.update(names)
+    for owner, attr, new in plan:
+        setattr(owner, attr, new)
     return taken

@@ -54,6 +54,12 @@ class BlockLinear(nn.Module):
         return dequantize_native(self.kind, self.weight_q[sl], self.in_features,
                                  None if self.scales is None else self.scales[sl])
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, K] fp32
+        """Rows `ids` of the weights, decoded (an embedding lookup in a checkpoint's blocks:
+        exactly the values the fp32 table would hold)."""
+        return dequantize_native(self.kind, self.weight_q[ids], self.in_features,
+                                 None if self.scales is None else self.scales[ids])
+
     def equals(self, weight: torch.Tensor, rows: int = 4096) -> bool:
         """Whether these weights are `weight` [N, K] bit for bit (checked in row chunks, so
         that a vocabulary-sized head needs no second fp32 copy)."""

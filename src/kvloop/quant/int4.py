@@ -67,11 +67,28 @@ class Int4Linear(nn.Module):
 
     def __init__(self, w: Int4Weights, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.out_features, self.in_features = w.codes.shape
-        if self.in_features % GROUP_SIZE:
+        if w.codes.shape[1] % GROUP_SIZE:
             raise ValueError(f"int4 needs in_features divisible by {GROUP_SIZE}")
         # GGUF-style groups with an fp16 scale and min (w = s q + m): the one layout held.
-        self.register_buffer("native_packed", pack_q4(w.codes, w.scales, w.zeros - 8.0 * w.scales))
+        self._setup(pack_q4(w.codes, w.scales, w.zeros - 8.0 * w.scales), w.codes.shape[1],
+                    bias)
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, in_features: int,
+                    bias: torch.Tensor | None = None) -> Int4Linear:
+        """A layer over weights already in the native layout (a layout cache's)."""
+        if in_features % GROUP_SIZE or packed.dim() != 2 or packed.dtype != torch.uint8 \
+                or packed.shape[1] != in_features // GROUP_SIZE * 20:
+            raise ValueError(f"not a [N, {in_features // GROUP_SIZE * 20}] uint8 int4 layout")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer._setup(packed, in_features, bias)
+        return layer
+
+    def _setup(self, packed: torch.Tensor, in_features: int,
+               bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = int(packed.shape[0]), int(in_features)
+        self.register_buffer("native_packed", packed)
         self.bias = bias
         # The native kernel over these weights (kvloop.models.native sets it when the
         # kernels are built); PyTorch's kernel is the fallback.

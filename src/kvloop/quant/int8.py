@@ -37,14 +37,21 @@ class Int8Linear(nn.Module):
         self.native: Any = None
 
     @classmethod
-    def from_dense(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
-        """Symmetric per-channel absmax quantization of an fp32 [N, K] weight."""
-        w = weight.float()
-        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [N]
-        # The kernel multiplies by bf16 scales: quantize against exactly those, rounded up
-        # (bf16 keeps 8 bits) so that no weight falls outside [-127, 127].
-        scales = (scales * (1 + 2**-8)).to(torch.bfloat16).float()
-        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    def from_dense(cls, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   rows: int = 4096) -> Int8Linear:
+        """Symmetric per-channel absmax quantization of an fp32 [N, K] weight, `rows` rows
+        at a time (a vocabulary-sized head's temporaries stay a few MB, not 4x its size)."""
+        N = weight.shape[0]
+        q = torch.empty(weight.shape, dtype=torch.int8)
+        scales = torch.empty(N)
+        for r in range(0, N, rows):
+            w = weight[r : r + rows].float()
+            s = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)  # [rows]
+            # The kernel multiplies by bf16 scales: quantize against exactly those, rounded
+            # up (bf16 keeps 8 bits) so that no weight falls outside [-127, 127].
+            s = (s * (1 + 2**-8)).to(torch.bfloat16).float()
+            q[r : r + rows] = torch.round(w / s[:, None]).clamp(-127, 127).to(torch.int8)
+            scales[r : r + rows] = s
         return cls(q, scales, bias)
 
     @property

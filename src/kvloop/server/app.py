@@ -78,7 +78,8 @@ def create_app(engine: LLMEngine, settings: ServerSettings | None = None) -> Fas
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
-        logger.info("serving %s (context %d tokens)", model_name, engine.max_model_len)
+        logger.info("serving %s (context %d tokens, weights %s)", model_name,
+                    engine.max_model_len, engine.config.quantization)
         try:
             yield
         finally:

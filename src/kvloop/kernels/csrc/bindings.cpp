@@ -58,8 +58,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("weight_bytes", &QLinear::weight_bytes);
 
   py::class_<Decoder, std::shared_ptr<Decoder>>(m, "Decoder", py::module_local())
-      .def(py::init<int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor,
-                    at::Tensor, std::shared_ptr<QLinear>>())
+      .def(py::init<int64_t, int64_t, int64_t, double, std::shared_ptr<QLinear>, at::Tensor,
+                    at::Tensor, at::Tensor, std::shared_ptr<QLinear>>())
       .def("add_layer", &Decoder::add_layer)
       .def("forward", &Decoder::forward, py::arg("token_ids"), py::arg("positions"),
            py::arg("kv_caches"), py::arg("slot_mapping"), py::arg("block_tables"),

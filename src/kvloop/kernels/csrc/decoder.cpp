@@ -50,17 +50,16 @@ void check_vec(const at::Tensor& t, int64_t n, const char* what) {
 }  // namespace
 
 Decoder::Decoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-                 at::Tensor embed, at::Tensor cos, at::Tensor sin, at::Tensor final_norm,
-                 std::shared_ptr<QLinear> lm_head)
+                 std::shared_ptr<QLinear> embed, at::Tensor cos, at::Tensor sin,
+                 at::Tensor final_norm, std::shared_ptr<QLinear> lm_head)
     : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
-      eps_(static_cast<float>(eps)), embed_(embed.contiguous()), cos_(cos.contiguous()),
-      sin_(sin.contiguous()), final_norm_(final_norm.contiguous()),
+      eps_(static_cast<float>(eps)), cos_(cos.contiguous()), sin_(sin.contiguous()),
+      final_norm_(final_norm.contiguous()), embed_(std::move(embed)),
       lm_head_(std::move(lm_head)) {
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim % 2 == 0,
               "bad head configuration");
-  TORCH_CHECK(embed_.scalar_type() == at::kFloat && embed_.dim() == 2,
-              "embed must be float32 [vocab, hidden]");
-  hidden_ = embed_.size(1);
+  TORCH_CHECK(embed_ != nullptr, "embed must be a weight layout [vocab, hidden]");
+  hidden_ = embed_->in_features;
   TORCH_CHECK(cos_.scalar_type() == at::kFloat && cos_.dim() == 2 &&
                   cos_.size(1) == head_dim && sin_.sizes() == cos_.sizes(),
               "cos / sin must be float32 [max_positions, head_dim]");
@@ -99,7 +98,7 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
   TORCH_CHECK(pos_t.numel() == M && slot_t.numel() == M, "one position and slot per token");
   TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == num_layers(), "one KV cache per layer");
   const int64_t H = hidden_, D = head_dim_, Hq = num_heads_, Hkv = num_kv_heads_;
-  const int64_t V = embed_.size(0), P = cos_.size(0);
+  const int64_t V = embed_->out_features, P = cos_.size(0);
   const int64_t* ids = ids_t.data_ptr<int64_t>();
   const int64_t* pos = pos_t.data_ptr<int64_t>();
   const int64_t* slot = slot_t.data_ptr<int64_t>();
@@ -161,8 +160,7 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
   const std::lock_guard<std::mutex> guard(mu_);
   Workspace& ws = workspace(M);
   float* x = ws.x.data();
-  const float* emb = embed_.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) std::memcpy(x + m * H, emb + ids[m] * H, H * sizeof(float));
+  for (int64_t m = 0; m < M; ++m) embed_->decode_row(ids[m], x + m * H);
 
   const int64_t qkv_n = (Hq + 2 * Hkv) * D;
   float *h = ws.h.data(), *qkv = ws.qkv.data(), *delta = ws.delta.data(), *q = ws.q.data(),
@@ -202,7 +200,7 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
     L.down->apply(act.data_ptr<float>(), M, ws.acts, delta);
     for (int64_t i = 0; i < M * H; ++i) x[i] += delta[i];
   }
-  auto out = at::empty({M, H}, embed_.options());
+  auto out = at::empty({M, H}, at::TensorOptions().dtype(at::kFloat));
   rms_norm(x, final_norm_.data_ptr<float>(), M, H, eps_, out.data_ptr<float>());
   return out;
 }
@@ -216,8 +214,8 @@ Decoder::Workspace& Decoder::workspace(int64_t rows) const {
     ws_.qkv.resize(rows * (num_heads_ + 2 * num_kv_heads_) * head_dim_);
     ws_.q.resize(rows * qd);
     ws_.o.resize(rows * qd);
-    ws_.gu = at::empty({rows * 2 * max_inter_}, embed_.options());
-    ws_.act = at::empty({rows * max_inter_}, embed_.options());
+    ws_.gu = at::empty({rows * 2 * max_inter_}, at::TensorOptions().dtype(at::kFloat));
+    ws_.act = at::empty({rows * max_inter_}, at::TensorOptions().dtype(at::kFloat));
     ws_.rows = rows;
   }
   return ws_;

@@ -134,6 +134,7 @@ struct QLinear {
   // Rows n0..n1 of the weights as the kernels decode them (w = scale * code + min, fp32),
   // rounded to bf16 (round to nearest even, as torch's .to(bfloat16)) unless fp32 out.
   void decode_rows(int64_t n0, int64_t n1, float* out) const;
+  void decode_row(int64_t n, float* out) const;  // one row, on the calling thread
   void decode_rows(int64_t n0, int64_t n1, at::BFloat16* out) const;
   at::Tensor decoded(bool bf16) const;  // [N, K], for Python and tests
 
@@ -159,9 +160,11 @@ std::vector<at::Tensor> quantize_acts_tensor(const at::Tensor& x);
 // costs less fused here than as separate PyTorch ops over [tokens, hidden] tensors.
 class Decoder {
  public:
+  // embed: the embedding table as a weight layout ([vocab, hidden]: fp32, or a
+  // checkpoint's blocks, whose rows are decoded as tokens look them up).
   Decoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-          at::Tensor embed, at::Tensor cos, at::Tensor sin, at::Tensor final_norm,
-          std::shared_ptr<QLinear> lm_head);
+          std::shared_ptr<QLinear> embed, at::Tensor cos, at::Tensor sin,
+          at::Tensor final_norm, std::shared_ptr<QLinear> lm_head);
   void add_layer(at::Tensor attn_norm, std::shared_ptr<QLinear> qkv,
                  std::shared_ptr<QLinear> o_proj, at::Tensor mlp_norm,
                  std::shared_ptr<QLinear> gate_up, std::shared_ptr<QLinear> down);
@@ -186,8 +189,8 @@ class Decoder {
   int64_t num_heads_, num_kv_heads_, head_dim_, hidden_;
   int64_t max_inter_ = 0;  // widest MLP of any layer: sizes the gate/up buffers
   float eps_;
-  at::Tensor embed_, cos_, sin_, final_norm_;
-  std::shared_ptr<QLinear> lm_head_;
+  at::Tensor cos_, sin_, final_norm_;
+  std::shared_ptr<QLinear> embed_, lm_head_;
   std::vector<Layer> layers_;
   // The step's intermediate buffers, kept from step to step (grown when a step has more
   // rows than any before), so a step allocates only the hidden states it returns.

@@ -781,6 +781,10 @@ void decode_rows_into(const QLinear& L, int64_t n0, int64_t n1, T* out) {
 void QLinear::decode_rows(int64_t n0, int64_t n1, float* out) const {
   decode_rows_into(*this, n0, n1, out);
 }
+void QLinear::decode_row(int64_t n, float* out) const {
+  TORCH_CHECK(n >= 0 && n < out_features, "row ", n, " out of range");
+  kvloop::decode_row(*this, n, out);
+}
 void QLinear::decode_rows(int64_t n0, int64_t n1, at::BFloat16* out) const {
   decode_rows_into(*this, n0, n1, out);
 }
