@@ -444,7 +444,7 @@ def test_bad_decoder_inputs_raise(tiny_model_dir: Path) -> None:
         call([5], [0], [0], kv=caches[:1])
     with pytest.raises(RuntimeError, match="one position and slot per token"):
         call([5, 6], [0], [0])
-    with pytest.raises(RuntimeError, match="contiguous float32"):
+    with pytest.raises(RuntimeError, match="float32, bfloat16, float16 or int8"):
         call([5], [0], [0], kv=[t.double() for t in caches])
     far = runner.num_slots // bs  # one block past the pool
     with pytest.raises(RuntimeError, match=r"slot \d+ out of range"):

@@ -1,0 +1,256 @@
+"""KV cache dtypes: bf16, fp16 and int8 caches (int8: one fp16 scale per token per head)
+beside the fp32 reference.
+
+1. Rounding: the native writer (the decoder's K/V writes) stores exactly the bits the
+   PyTorch modules store (kvloop.quant.kv); int8 codes and scales as specified.
+2. Kernels: paged attention over each dtype equals a float64 reference over the
+   dequantized cache: decode rows, prefill chunks over a cached prefix and both in one
+   call, GQA, sliding windows, block sizes 1 to 32, head dims with scalar tails. Unused
+   slots hold NaN (int8: NaN scales), so a read of one shows.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from conftest import require_native_kernels
+from kvloop.kernels import paged_attention as pa
+from kvloop.quant import kv as kvq
+from kvloop.quant.kv import PagedKV
+
+DTYPES = ["fp32", "bf16", "fp16", "int8"]
+LOW = ["bf16", "fp16", "int8"]  # the dtypes that round
+ATOL = 2e-5
+RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def kernel() -> None:
+    require_native_kernels()
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The stored bits, for exact comparisons (16-bit floats as int16: -0 != 0, NaN ==
+    NaN of the same pattern)."""
+    return t.view(torch.int16) if t.element_size() == 2 else t
+
+
+# -- 1. rounding --------------------------------------------------------------------------
+
+
+def awkward_rows(T: int, H: int, D: int, seed: int) -> torch.Tensor:
+    """[T, H, D] fp32 rows of very different magnitudes (fp16 scales from subnormal to
+    large), an all-zero row, a row with one outlier, and bf16 rounding ties."""
+    g = _gen(seed)
+    x = torch.randn(T, H, D, generator=g)
+    x *= torch.pow(10.0, torch.empty(T, H, 1).uniform_(-6, 3, generator=g))
+    x[0, 0] = 0.0
+    x[1 % T, 0, 0] = 1e4
+    # Exact ties for bf16 in [1, 2) (random upper mantissa, low 16 bits 0x8000): to even,
+    # half of them go up.
+    mant = torch.randint(0, 1 << 7, (D,), generator=g, dtype=torch.int32) << 16
+    x[2 % T, -1] = (mant | 0x3F800000 | 0x8000).view(torch.float32)
+    return x
+
+
+@pytest.mark.parametrize("D", [64, 36, 7])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_writer_stores_the_modules_bits(kernel: None, dtype: str, D: int) -> None:
+    """The decoder's K/V writes (kv_store runs the same kv_dtype.h code) and the modules'
+    (PagedKV.write) store the same bits: the two paths read the same cache."""
+    T, H, slots = 40, 3, 64
+    k, v = awkward_rows(T, H, D, 0), awkward_rows(T, H, D, 1)
+    where = torch.randperm(slots, generator=_gen(2))[:T]
+    ours, native = (PagedKV.allocate(dtype, H, slots, D) for _ in range(2))
+    ours.zero_(slots)
+    native.zero_(slots)
+    seen_k, seen_v = ours.write(where, k, v)
+    pa._ext().kv_store(native.data, native.scales, where, k, v)
+    assert torch.equal(bits(ours.data), bits(native.data))
+    if dtype == "int8":
+        assert ours.scales is not None and native.scales is not None
+        assert torch.equal(bits(ours.scales), bits(native.scales))
+    # What write() returns is what the cache now holds, read back.
+    for i, seen in enumerate((seen_k, seen_v)):
+        held = kvq.dequantize(ours.data[i][:, where],
+                              None if ours.scales is None else ours.scales[i][:, where])
+        assert torch.equal(seen.transpose(0, 1), held)
+    if dtype == "fp32":
+        assert seen_k is k and seen_v is v  # untouched: the fp32 path is as it was
+
+
+def test_int8_codes_and_scales() -> None:
+    x = awkward_rows(50, 2, 64, 3)
+    codes, scales = kvq.quantize_int8(x)
+    assert codes.dtype == torch.int8 and scales.dtype == torch.float16
+    assert scales.shape == (50, 2)
+    amax = x.abs().amax(-1)
+    s = scales.float()
+    assert torch.equal(s, (amax / 127).half().float())  # absmax / 127, rounded to fp16
+    assert int(codes.abs().max()) == 127 and int(codes.min()) >= -127  # symmetric
+    # Where the scale is a normal fp16 (absmax >= 127 * 2^-14, ~2e-3: real K/V rows are
+    # O(1)) the row's largest code is 127 (126 if fp16 rounded the scale up); smaller rows
+    # get coarser subnormal scales, and below 127 * 2^-25 (~4e-6) they are stored as 0.
+    normal = amax >= 127 * 2**-14
+    assert bool((codes.abs().amax(-1)[normal] >= 126).all())
+    assert int(codes[0, 0].abs().max()) == 0 and float(s[0, 0]) == 0.0  # a zero row
+    assert bool((codes[amax < 127 * 2**-25] == 0).all())
+    err = (kvq.dequantize(codes, scales) - x).abs()
+    # Half a step, plus what the clamp at 127 costs where fp16 rounded the scale down
+    # (at most 2^-11 of the absmax for a normal scale).
+    over = (amax - 127 * s).clamp(min=0)
+    assert bool((over[normal] <= amax[normal] * 2**-11).all())
+    assert bool((err <= (s * 0.5 + over).unsqueeze(-1) * (1 + 1e-6)).all())
+
+
+def test_int8_row_with_nan_gives_nan() -> None:
+    x = torch.randn(2, 1, 16)
+    x[1, 0, 3] = float("nan")
+    back = kvq.round_trip(x, "int8")
+    assert bool(back[1].isnan().all()) and not bool(back[0].isnan().any())
+
+
+@pytest.mark.parametrize(("dtype", "rel"), [("bf16", 2**-8), ("fp16", 2**-11)])
+def test_16bit_round_to_nearest(dtype: str, rel: float) -> None:
+    x = torch.randn(1000) * 10
+    back = kvq.round_trip(x, dtype)
+    assert bool(((back - x).abs() <= x.abs() * rel).all())
+
+
+def test_bytes_per_row() -> None:
+    assert [kvq.kv_bytes_per_row(d, 64) for d in DTYPES] == [256, 128, 128, 66]
+    assert PagedKV.allocate("int8", 3, 32, 64).nbytes == 2 * 3 * 32 * 66
+
+
+# -- 2. kernels against a float64 reference -----------------------------------------------
+
+
+@dataclass
+class Case:
+    kv: PagedKV
+    tables: torch.Tensor  # [N, max_blocks]
+    ctx: torch.Tensor  # [N] int64
+    block_size: int
+
+
+def make_case(ctx_lens: list[int], Hkv: int, D: int, block_size: int, seed: int,
+              dtype: str) -> Case:
+    """Random K/V per sequence written (rounded to `dtype`) through shuffled block tables
+    into a cache whose other slots hold NaN (int8: random codes with NaN scales); padded
+    table entries point out of range."""
+    g = _gen(seed)
+    rng = random.Random(seed)
+    nblocks = [math.ceil(c / block_size) for c in ctx_lens]
+    num_blocks = sum(nblocks) + 3
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    kv = PagedKV.allocate(dtype, Hkv, num_blocks * block_size, D)
+    if kv.scales is not None:
+        kv.data.copy_(torch.randint(-127, 128, kv.data.shape, generator=_gen(seed + 99)))
+        kv.scales.fill_(float("nan"))
+    else:
+        kv.data.fill_(float("nan"))
+    max_blocks = max(nblocks) + 2
+    tables = torch.full((len(ctx_lens), max_blocks), num_blocks + 1000, dtype=torch.long)
+    for i, c in enumerate(ctx_lens):
+        own = [ids.pop() for _ in range(nblocks[i])]
+        tables[i, : nblocks[i]] = torch.tensor(own)
+        pos = torch.arange(c)
+        slots = torch.tensor(own)[pos // block_size] * block_size + pos % block_size
+        kv.write(slots, torch.randn(c, Hkv, D, generator=g), torch.randn(c, Hkv, D, generator=g))
+    return Case(kv, tables, torch.tensor(ctx_lens), block_size)
+
+
+def reference(q: torch.Tensor, case: Case, qstart: list[int], scale: float,
+              window: int) -> torch.Tensor:  # [T, H, D] float64
+    """Each sequence's rows over the dequantized cache, in float64."""
+    out = []
+    for n in range(len(qstart) - 1):
+        rows = q[qstart[n]:qstart[n + 1]].double()
+        out.append(pa.paged_prefill_attention_reference(
+            rows, case.kv.data, case.tables[n], int(case.ctx[n]), case.block_size, scale,
+            window, case.kv.scales))
+    return torch.cat(out)
+
+
+def ctx_lens_for(B: int, block_size: int, rng: random.Random) -> list[int]:
+    special = [1, block_size, block_size + 1, 300, 3 * block_size - 1]
+    return (special + [rng.randint(1, 300) for _ in range(B)])[:B]
+
+
+@pytest.mark.parametrize("window", [0, 21])
+@pytest.mark.parametrize("block_size", [1, 4, 16, 32])
+@pytest.mark.parametrize(("H", "Hkv", "D"), [(8, 2, 64), (9, 3, 36), (4, 4, 32)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_matches_float64_reference(kernel: None, dtype: str, H: int, Hkv: int, D: int,
+                                          block_size: int, window: int) -> None:
+    seed = hash((dtype, H, D, block_size, window)) % 10_000
+    ctx = ctx_lens_for(6, block_size, random.Random(seed))
+    case = make_case(ctx, Hkv, D, block_size, seed, dtype)
+    q = torch.randn(len(ctx), H, D, generator=_gen(seed + 1))
+    scale = D**-0.5
+    out = pa.paged_decode_attention(q, case.kv.data, case.tables, case.ctx, block_size, scale,
+                                    window, case.kv.scales)
+    ref = reference(q, case, list(range(len(ctx) + 1)), scale, window)
+    torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("window", [0, 24])
+@pytest.mark.parametrize(("H", "Hkv", "D"), [(8, 2, 64), (6, 1, 40)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_varlen_prefill_and_decode_match_float64_reference(
+        kernel: None, dtype: str, H: int, Hkv: int, D: int, window: int) -> None:
+    """One call: decode rows, a chunk over a cached prefix, a whole prompt, and chunks of
+    more rows than one work item holds (kMaxQ query vectors)."""
+    ctx = [1, 57, 40, 130, 200, 33]
+    rows = [1, 9, 40, 70, 1, 33]
+    case = make_case(ctx, Hkv, D, 16, 7, dtype)
+    qstart = [0]
+    for r in rows:
+        qstart.append(qstart[-1] + r)
+    q = torch.randn(qstart[-1], H, D, generator=_gen(8))
+    scale = D**-0.5
+    out = pa.paged_attention_varlen(q, case.kv.data, case.tables, torch.tensor(qstart),
+                                    case.ctx, 16, scale, window, case.kv.scales)
+    torch.testing.assert_close(out.double(), reference(q, case, qstart, scale, window),
+                               atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_rounded_cache_stays_close_to_fp32(kernel: None, dtype: str) -> None:
+    """The same K/V stored in fp32 and in `dtype`: attention outputs within what the
+    rounding allows (a scale read as 1, or not at all, would be far off)."""
+    ctx = [300, 77]
+    ref_case = make_case(ctx, 2, 64, 16, 11, "fp32")
+    case = make_case(ctx, 2, 64, 16, 11, dtype)
+    q = torch.randn(2, 8, 64, generator=_gen(12)) * 3  # peaked softmax: errors show
+    args = (case.tables, case.ctx, 16, 0.125)
+    ref = pa.paged_decode_attention(q, ref_case.kv.data, *args)
+    out = pa.paged_decode_attention(q, case.kv.data, *args, 0, case.kv.scales)
+    err = float((out - ref).abs().max())
+    assert err < {"bf16": 2e-2, "fp16": 3e-3, "int8": 4e-2}[dtype], err
+
+
+def test_bad_kv_scales_are_refused(kernel: None) -> None:
+    case = make_case([20], 2, 32, 16, 1, "int8")
+    q = torch.randn(1, 4, 32)
+    assert case.kv.scales is not None
+    with pytest.raises(RuntimeError, match="needs kv_scales"):
+        pa.paged_decode_attention(q, case.kv.data, case.tables, case.ctx, 16, 1.0)
+    with pytest.raises(RuntimeError, match="needs kv_scales"):
+        pa.paged_decode_attention(q, case.kv.data, case.tables, case.ctx, 16, 1.0, 0,
+                                  case.kv.scales.float())
+    fp = make_case([20], 2, 32, 16, 1, "bf16")
+    with pytest.raises(RuntimeError, match="for an int8 kv_cache only"):
+        pa.paged_decode_attention(q, fp.kv.data, fp.tables, fp.ctx, 16, 1.0, 0, case.kv.scales)
+    with pytest.raises(RuntimeError, match="float32, bfloat16, float16 or int8"):
+        pa.paged_decode_attention(q, fp.kv.data.double(), fp.tables, fp.ctx, 16, 1.0)
