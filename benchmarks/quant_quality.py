@@ -44,8 +44,9 @@ def decode_logits(llm: LLM, ids: list[int]) -> torch.Tensor:  # [T, V]
     rows = []
     with torch.inference_mode():
         for t, tok in enumerate(ids):
-            h = dec.forward(torch.tensor([tok]), torch.tensor([t]), runner.kv_caches,
-                            torch.tensor([t]), table, torch.tensor([t + 1]), bs)
+            h = dec.forward(torch.tensor([tok]), torch.tensor([t]),
+                            [c.data for c in runner.kv_caches], torch.tensor([t]), table,
+                            torch.tensor([t + 1]), bs)
             rows.append(dec.logits(h))
     return torch.cat(rows)
 

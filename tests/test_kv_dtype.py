@@ -1,5 +1,5 @@
-"""KV cache dtypes: bf16, fp16 and int8 caches (int8: one fp16 scale per token per head)
-beside the fp32 reference.
+"""KV cache dtypes (EngineConfig.kv_cache_dtype, --kv-cache-dtype): bf16, fp16 and int8
+caches (int8: one fp16 scale per token per head) beside the fp32 reference.
 
 1. Rounding: the native writer (the decoder's K/V writes) stores exactly the bits the
    PyTorch modules store (kvloop.quant.kv); int8 codes and scales as specified.
@@ -7,6 +7,12 @@ beside the fp32 reference.
    dequantized cache: decode rows, prefill chunks over a cached prefix and both in one
    call, GQA, sliding windows, block sizes 1 to 32, head dims with scalar tails. Unused
    slots hold NaN (int8: NaN scales), so a read of one shows.
+3. Models: the native decoder equals the PyTorch modules with each dtype; on Gemma 3
+   (sliding KV cache groups) the modules' kernel path equals their gather path.
+4. Engine: greedy runs with each dtype do not depend on batching, preemption, prefix
+   caching or chunked prefill; a pool of a fixed byte size holds 2x (16-bit) and >= 3.5x
+   (int8) the tokens of fp32, as stats() reports them.
+5. Faces: a bad dtype is refused by EngineConfig, LLM(...) and the CLI.
 """
 
 from __future__ import annotations
@@ -14,19 +20,25 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import require_native_kernels
+from conftest import require_native_kernels, write_tiny_gemma3
+from kvloop import LLM, SamplingParams
+from kvloop.config import KV_CACHE_DTYPES, EngineConfig
+from kvloop.errors import InvalidParamsError
 from kvloop.kernels import paged_attention as pa
 from kvloop.quant import kv as kvq
 from kvloop.quant.kv import PagedKV
+from kvloop.runner import kv_cache_bytes_per_block
 
 DTYPES = ["fp32", "bf16", "fp16", "int8"]
 LOW = ["bf16", "fp16", "int8"]  # the dtypes that round
 ATOL = 2e-5
 RTOL = 1e-4
+KV = "64MiB"
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +57,11 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 # -- 1. rounding --------------------------------------------------------------------------
+
+
+def test_config_names_the_dtypes_quant_stores() -> None:
+    # config sits below quant in the layers and keeps its own list: the two must agree.
+    assert tuple(kvq.KV_CACHE_DTYPES) == KV_CACHE_DTYPES
 
 
 def awkward_rows(T: int, H: int, D: int, seed: int) -> torch.Tensor:
@@ -128,6 +145,7 @@ def test_16bit_round_to_nearest(dtype: str, rel: float) -> None:
 
 def test_bytes_per_row() -> None:
     assert [kvq.kv_bytes_per_row(d, 64) for d in DTYPES] == [256, 128, 128, 66]
+    assert kv_cache_bytes_per_block(30, 3, 64, 16, "int8") == 2 * 30 * 16 * 3 * 66
     assert PagedKV.allocate("int8", 3, 32, 64).nbytes == 2 * 3 * 32 * 66
 
 
@@ -254,3 +272,225 @@ def test_bad_kv_scales_are_refused(kernel: None) -> None:
         pa.paged_decode_attention(q, fp.kv.data, fp.tables, fp.ctx, 16, 1.0, 0, case.kv.scales)
     with pytest.raises(RuntimeError, match="float32, bfloat16, float16 or int8"):
         pa.paged_decode_attention(q, fp.kv.data.double(), fp.tables, fp.ctx, 16, 1.0)
+
+
+# -- 3. models: native decoder against the modules ------------------------------------------
+
+PROMPT_LENS = [1, 17, 40, 100, 5, 64]
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=0)
+# Native and module paths compute K/V in fp32 in different orders (last-bit differences);
+# a value on a rounding boundary of the cache dtype then rounds the other way: one bf16
+# ulp (2^-8 relative) or one int8 step of that element, which a 2-layer model carries to
+# the logprobs. A wrong scale or a misread row is off by O(1).
+# (Measured here: 3e-6 for fp32 and int8, 3e-5 for bf16, 9e-5 for fp16.)
+PATH_ATOL = {"fp32": 1e-4, "bf16": 5e-3, "fp16": 5e-3, "int8": 5e-3}
+
+
+def random_prompts(lens: list[int], vocab: int, seed: int) -> list[list[int]]:
+    g = _gen(seed)
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def assert_same_greedy(a: list, b: list, atol: float) -> float:
+    worst = 0.0
+    for x, y in zip(a, b, strict=True):
+        cx, cy = x.outputs[0], y.outputs[0]
+        assert cx.token_ids == cy.token_ids, f"request {x.request_id}: greedy ids differ"
+        worst = max(worst, max(abs(p - r) for p, r in zip(cx.logprobs, cy.logprobs,
+                                                          strict=True)))
+    assert worst <= atol, f"logprobs differ by {worst:.2e}"
+    return worst
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_native_decoder_matches_modules(kernel: None, tiny_model_dir: Path, dtype: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = LLM(tiny_model_dir, quantization="none", enable_prefix_caching=False,
+              kv_cache_dtype=dtype, kv_cache_memory=KV)
+    runner = llm.engine.runner
+    assert runner.decoder is not None and runner.native_prefill
+    assert runner.kv_caches is not None and runner.kv_caches[0].kv_dtype == dtype
+    prompts = random_prompts(PROMPT_LENS, llm.engine.model_config.vocab_size, 0)
+    native = llm.generate(prompts, GREEDY)
+    # Every step on the modules, attention included (gather + dequantize + SDPA).
+    monkeypatch.setattr(runner, "decoder", None)
+    monkeypatch.setattr(runner, "use_kernels", False)
+    ref = llm.generate(prompts, GREEDY)
+    worst = assert_same_greedy(native, ref, PATH_ATOL[dtype])
+    print(f"{dtype}: max |logprob native - modules| = {worst:.2e}")
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gemma3(tmp_path_factory.mktemp("gemma3-kv-dtype"))  # window 16
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_gemma3_kernel_and_gather_paths_agree(kernel: None, tiny_gemma3_dir: Path,
+                                              dtype: str) -> None:
+    """Sliding KV cache groups (window 16, prompts past it): the modules' decode rows on
+    the paged kernel (reading the dtype in place) and on the gather path (dequantized
+    for SDPA) give the same greedy tokens."""
+    prompts = random_prompts([40, 3, 70], 300, 5)
+    outs = [LLM(tiny_gemma3_dir, kv_cache_dtype=dtype, kv_cache_memory=KV, use_kernels=k)
+            .generate(prompts, GREEDY) for k in (True, False)]
+    assert_same_greedy(outs[0], outs[1], PATH_ATOL[dtype])
+
+
+# -- 4. engine: batching, preemption, prefix caching, capacity ------------------------------
+
+
+# Batch composition changes the GEMMs' blocking, so K/V differ in the last bits and now
+# and then one element rounds the other way in the cache: measured here, up to 5e-3 on the
+# log-probs (bf16, 24-token chunks), 5e-4 for int8, 9e-5 for fp16 (fp32: 3e-6).
+BATCH_ATOL = {"fp32": 1e-4, "bf16": 3e-2, "fp16": 3e-2, "int8": 3e-2}
+
+
+def workload(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    g = _gen(3)
+    head = torch.randint(2, vocab, (48,), generator=g).tolist()  # shared: prefix hits
+    lens = [1, 3, 200, 17, 120, 64, 90, 33, 150, 9]
+    prompts = []
+    for i, n in enumerate(lens):
+        body = torch.randint(2, vocab, (n,), generator=g).tolist()
+        prompts.append((head + body)[:n] if i % 2 == 0 else body)
+    params = [SamplingParams(temperature=0, max_tokens=8 + 6 * i, ignore_eos=True, logprobs=0)
+              for i in range(len(prompts))]
+    return prompts, params
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_engine_greedy_is_batch_invariant(kernel: None, tiny_model_dir: Path,
+                                          dtype: str) -> None:
+    """Each request alone (the later ones reading the shared head from the prefix cache),
+    then all together: in one batch, with 24-token prefill chunks, and in a pool so small
+    that sequences are preempted and recomputed. The cache holds the same rounded K/V
+    whichever way a token was computed."""
+    kw = {"kv_cache_dtype": dtype}
+    llm = LLM(tiny_model_dir, kv_cache_memory=KV, **kw)
+    prompts, params = workload(llm.engine.model_config.vocab_size)
+    alone = [llm.generate([p], sp)[0] for p, sp in zip(prompts, params, strict=True)]
+    assert llm.engine.kv.stats().prefix_hits >= 3 * 48
+    per_block = llm.engine.kv_bytes_per_block
+    for options in ({"kv_cache_memory": KV},
+                    {"kv_cache_memory": KV, "max_num_batched_tokens": 24},
+                    {"kv_cache_memory": 20 * per_block, "max_num_batched_tokens": 64}):
+        batched = LLM(tiny_model_dir, **kw, **options)
+        outs = batched.generate(prompts, params)
+        assert_same_greedy(alone, outs, BATCH_ATOL[dtype])
+        eng = batched.engine
+        assert eng.num_steps < sum(len(o.outputs[0].token_ids) for o in outs)
+        if options["kv_cache_memory"] != KV:
+            assert eng.kv.pool.num_blocks == 20 and eng.scheduler.num_preemptions > 0
+        assert eng.kv.pool.num_free == eng.kv.pool.num_blocks
+
+
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["native", "modules"])
+@pytest.mark.parametrize("dtype", LOW)
+def test_prefix_hit_sees_what_a_fresh_prefill_saw(kernel: None, tiny_model_dir: Path,
+                                                  dtype: str, use_kernels: bool) -> None:
+    """The same prompt twice: the second run reads its prefix from the cache (rounded),
+    the first attended to its own chunk. Both see the stored values (PagedKV.write hands
+    them back), so the log-probs agree to the arithmetic's last bits, not to the rounding
+    (which would be ~1e-3)."""
+    llm = LLM(tiny_model_dir, kv_cache_dtype=dtype, kv_cache_memory=KV,
+              use_kernels=use_kernels)
+    prompt = random_prompts([100], llm.engine.model_config.vocab_size, 9)
+    first = llm.generate(prompt, GREEDY)
+    second = llm.generate(prompt, GREEDY)
+    assert llm.engine.kv.stats().prefix_hits >= 96
+    assert_same_greedy(first, second, 2e-5)
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_fixed_pool_holds_more_tokens(tiny_model_dir: Path, dtype: str) -> None:
+    """The issue's capacity claim, from stats(): the same kv_cache_memory holds 2x the
+    tokens with a 16-bit cache and >= 3.5x with int8 (head_dim 16 here: 16 + 2 bytes a row
+    against 64; 3.9x at the default model's 64), and the bytes it reports are the bytes
+    the runner allocated."""
+    memory = 8 * 2**20
+    base = LLM(tiny_model_dir, kv_cache_memory=memory)
+    llm = LLM(tiny_model_dir, kv_cache_memory=memory, kv_cache_dtype=dtype)
+    fp32, st = base.engine.kv.stats(), llm.engine.kv.stats()
+    assert st.kv_dtype == dtype and fp32.kv_dtype == "fp32"
+    ratio = st.num_blocks / fp32.num_blocks
+    if dtype == "int8":
+        assert ratio >= 3.5, ratio
+    else:
+        assert ratio == 2.0
+    for eng, s in ((base.engine, fp32), (llm.engine, st)):
+        assert s.num_blocks * s.bytes_per_block <= memory
+        caches = eng.runner.kv_caches
+        assert caches is not None
+        allocated = sum(c.nbytes for c in {id(c): c for c in caches}.values())
+        assert allocated == s.num_blocks * s.bytes_per_block  # the real bytes
+    # A sequence's bytes shrink with the dtype too.
+    prompt = random_prompts([100], llm.engine.model_config.vocab_size, 1)
+    for eng in (base.engine, llm.engine):
+        eng.add_request("r", prompt[0], SamplingParams(max_tokens=4, ignore_eos=True))
+        eng.step()  # the prompt's blocks are held until the request ends
+    per_seq = [eng.kv.stats().seq_kv_bytes[0] for eng in (base.engine, llm.engine)]
+    assert per_seq[1] * ratio == pytest.approx(per_seq[0], rel=0.01)
+
+
+def test_metrics_name_the_dtype() -> None:
+    from prometheus_client import generate_latest
+
+    from kvloop.kv_cache import KVCacheStats
+    from kvloop.scheduler import SchedulerStats
+    from kvloop.server.metrics import ServerMetrics
+
+    kv = KVCacheStats(100, 80, bytes_per_block=4224, kv_dtype="int8", seq_blocks=(3,))
+    text = generate_latest(ServerMetrics(lambda: SchedulerStats(1, 0, kv, 0)).registry).decode()
+    lines = set(text.splitlines())
+    assert 'kvloop_kv_cache_dtype_info{dtype="int8"} 1.0' in lines
+    assert "kvloop_kv_cache_bytes_per_block 4224.0" in lines
+
+
+# -- 5. faces --------------------------------------------------------------------------------
+
+
+def test_bad_dtype_refused_by_config_and_llm() -> None:
+    with pytest.raises(InvalidParamsError, match="kv_cache_dtype must be one of fp32, bf16, "
+                                                 "fp16, int8, got 'fp8'") as info:
+        EngineConfig(kv_cache_dtype="fp8")
+    assert info.value.param == "kv_cache_dtype"
+    # Before the model is looked at: the path does not exist.
+    with pytest.raises(InvalidParamsError, match="kv_cache_dtype"):
+        LLM("/nonexistent/model.gguf", kv_cache_dtype="float8")
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_bad_dtype_is_one_cli_error_line(command: str,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    from kvloop.cli import main
+
+    prompt = ["hi"] if command == "generate" else []
+    capsys.readouterr()
+    rc = main([command, *prompt, "--model", "/nonexistent", "--kv-cache-dtype", "fp8"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == ""
+    assert err.startswith("kvloop: error: kv_cache_dtype must be one of") and \
+        err.count("\n") == 1, err
+
+
+def test_cli_passes_the_dtype(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str],
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvloop.engine.llm as llm_module
+    from kvloop.cli import main
+
+    made: list[LLM] = []
+
+    class Recording(LLM):
+        def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(llm_module, "LLM", Recording)
+    capsys.readouterr()
+    rc = main(["generate", "The quick", "--model", str(tiny_model_dir), "--max-tokens", "4",
+               "--kv-cache-memory", "16MiB", "--kv-cache-dtype", "int8"])
+    _, err = capsys.readouterr()
+    assert rc == 0, err
+    assert [m.engine.config.kv_cache_dtype for m in made] == ["int8"]
+    assert made[0].engine.kv.stats().kv_dtype == "int8"

@@ -424,8 +424,9 @@ def test_bad_linear_inputs_raise() -> None:
 def test_bad_decoder_inputs_raise(tiny_model_dir: Path) -> None:
     llm = LLM(tiny_model_dir, quantization="none")
     runner = llm.engine.runner
-    dec, caches, bs = runner.decoder, runner.kv_caches, runner.block_size
-    assert dec is not None and caches is not None
+    assert runner.kv_caches is not None
+    dec, caches, bs = runner.decoder, [c.data for c in runner.kv_caches], runner.block_size
+    assert dec is not None
     c = llm.engine.model_config
 
     def call(ids: list[int], pos: list[int], slots: list[int],
@@ -566,7 +567,7 @@ def first_decode_step(llm: LLM, prompts: list[list[int]],
     function that puts the KV caches back as they were before that step ran."""
     runner = llm.engine.runner
     assert runner.kv_caches is not None
-    caches = runner.kv_caches
+    caches = [c.data for c in runner.kv_caches]
     captured: list[tuple[SchedulerOutput, list[torch.Tensor]]] = []
     original = runner.execute
 
