@@ -9,7 +9,8 @@ Cache layout (as in ``kvloop.models.attention``): ``[2, Hkv, num_slots, D]``, K 
 slot = block_id * block_size + offset, in fp32, bf16, fp16 or int8; an int8 cache comes with
 ``kv_scales [2, Hkv, num_slots]`` fp16 (x = scale * code, kvloop.quant.kv). The kernel
 converts each row to fp32 in registers as it reads it; for int8 it scales the dot product
-(q . k = s_k * (q . codes)) and the softmax weight of each V row instead of every element.
+(q . k = s_k * (q . codes)) and the softmax weight of each V row instead of every element,
+and rotates the queries into the basis int8 keys are stored in (kvloop.quant.kv).
 The K/V of the query tokens must already be in the cache when these are called.
 """
 
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kvloop.kernels.build import available, native_module
-from kvloop.quant.kv import dequantize
+from kvloop.quant.kv import dequantize, hadamard, key_block
 
 _ext = native_module
 __all__ = ["available", "paged_attention_varlen", "paged_decode_attention",
@@ -99,6 +100,9 @@ def _context_kv(
     kv = [dequantize(kv_cache[i][:, slots],
                      None if kv_scales is None else kv_scales[i][:, slots], dtype)
           for i in (0, 1)]
+    if kv_scales is not None:  # int8 K is stored rotated (kvloop.quant.kv): undo it
+        b = key_block(kv_cache.shape[-1])
+        kv[0] = hadamard(kv[0], b) / b
     return kv[0], kv[1]
 
 

@@ -234,12 +234,14 @@ def paged_attention(
     (kvloop.models.gemma2.without_decode_kernel), and it runs softcapped_sdpa.
 
     With a 16-bit or int8 cache, every query sees K/V as stored (rounded), its own chunk's
-    included (PagedKV.write), as the native kernels do."""
+    included (PagedKV.write), as the native kernels do. An int8 cache's keys are stored
+    rotated: SDPA then takes the queries rotated alike (the kernel rotates its own)."""
     sdpa: Callable[..., torch.Tensor] = F.scaled_dot_product_attention
     if softcap is not None:
         sdpa = partial(softcapped_sdpa, softcap=softcap)
     if kv_cache is not None and meta.slot_mapping is not None:
         k, v = kv_cache.write(meta.slot_mapping, k, v)
+    qs_all = q if kv_cache is None else kv_cache.rotate_queries(q)  # q itself unless int8
 
     out = torch.empty_like(q)
     n = meta.num_decodes
@@ -255,13 +257,13 @@ def paged_attention(
         keys = kv_cache.gather(0, meta.decode_kv_index, B, S)  # [B, Hkv, S, D] fp32
         values = kv_cache.gather(1, meta.decode_kv_index, B, S)
         o = sdpa(
-            q[:n].unsqueeze(2), keys, values,  # q: [B, H, 1, D]
+            qs_all[:n].unsqueeze(2), keys, values,  # q: [B, H, 1, D]
             attn_mask=meta.decode_mask, scale=scale, enable_gqa=True,
         )
         out[:n] = o.squeeze(2)
     for seg in meta.prefills:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
-        qs = q[rows].transpose(0, 1).contiguous().unsqueeze(0)  # [1, H, L, D]
+        qs = qs_all[rows].transpose(0, 1).contiguous().unsqueeze(0)  # [1, H, L, D]
         if seg.kv_index is None:
             ks = k[rows].transpose(0, 1).contiguous().unsqueeze(0)  # [1, Hkv, L, D]
             vs = v[rows].transpose(0, 1).contiguous().unsqueeze(0)

@@ -4,7 +4,9 @@
 // values [2, Hkv, slots, D] in fp32, bf16, fp16 or int8; int8 with scales [2, Hkv, slots]
 // fp16, x = scale * code. Conversions round to nearest even (torch's .to()); an int8 row's
 // scale is fp16(absmax / 127) (the division in fp32) and its codes clamp(round(x / scale),
-// -127, 127), so the PyTorch modules and the native step store the same bits.
+// -127, 127), so the PyTorch modules and the native step store the same bits. int8 K rows
+// are stored rotated (fwht below; why: kvloop/quant/kv.py), and attention rotates its
+// queries to match.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -16,6 +18,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "simd.h"
 
@@ -36,6 +39,7 @@ struct KVView {
   void* data = nullptr;     // [2, Hkv, slots, D] elements of `dtype`
   f16_t* scales = nullptr;  // [2, Hkv, slots], int8 only
   int64_t Hkv = 0, slots = 0, D = 0;
+  int64_t key_block = 1;  // int8: K rows are stored as fwht(k, key_block); 1: as they are
 
   template <typename T>
   T* row(int64_t kv, int64_t head, int64_t slot) const {
@@ -85,6 +89,22 @@ inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
 #endif  // __AVX2__
+
+// The largest power of two dividing D: the block int8 K rows are rotated over.
+inline int64_t key_block(int64_t D) { return D & -D; }
+
+// In place x = H x over each block of `block` elements (a power of two dividing D), H the
+// unnormalised Walsh-Hadamard transform (H H = block * I). Butterflies stage by stage,
+// each output one fp32 add or subtract: kvloop.quant.kv.hadamard gives the same bits.
+inline void fwht(float* x, int64_t D, int64_t block) {
+  for (int64_t h = 1; h < block; h *= 2)
+    for (int64_t i = 0; i < D; i += 2 * h)
+      for (int64_t j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+}
 
 // ---- writing ----
 
@@ -177,6 +197,15 @@ inline void store_row(const float* x, int64_t D, int8_t* dst, f16_t* scale) {
 template <typename T>
 inline void kv_store_row(const KVView& kv, int64_t which, int64_t head, int64_t slot,
                          const float* x) {
+  if constexpr (kQuantized<T>) {
+    if (which == 0 && kv.key_block > 1) {  // int8 K: quantize H k
+      thread_local std::vector<float> rotated;
+      rotated.assign(x, x + kv.D);
+      fwht(rotated.data(), kv.D, kv.key_block);
+      store_row(rotated.data(), kv.D, kv.row<T>(which, head, slot), kv.scale(which, head, slot));
+      return;
+    }
+  }
   store_row(x, kv.D, kv.row<T>(which, head, slot),
             kQuantized<T> ? kv.scale(which, head, slot) : nullptr);
 }

@@ -315,6 +315,7 @@ struct Problem {
   int64_t H, Hkv, G, D, slots, block_size, max_blocks;
   float scale;
   int64_t window;  // > 0: sliding window (keys a query sees, its own included); 0: none
+  int64_t key_block;  // int8: keys are stored rotated over blocks of this (kv_dtype.h)
 };
 
 // The first key position `pos` sees.
@@ -382,7 +383,17 @@ void run_item(const Problem& P, const index_t* tables, const Item& it, const Ite
       run_sum[m] = 0.f;
       // Fold the softmax scale into q once instead of into every score.
       const float* src = P.q + (t * P.H + it.kv_head * G + it.g0 + g) * D;
-      for (int64_t d = 0; d < D; ++d) qs[m * D + d] = src[d] * P.scale;
+      float* qm = qs + m * D;
+      if (kQuantized<T> && P.key_block > 1) {
+        // Into the keys' rotated basis: q' = H q / b, so q' . (H k) = q . k (1 / b is a
+        // power of two: exact).
+        std::copy(src, src + D, qm);
+        fwht(qm, D, P.key_block);
+        const float sc = P.scale / static_cast<float>(P.key_block);
+        for (int64_t d = 0; d < D; ++d) qm[d] *= sc;
+      } else {
+        for (int64_t d = 0; d < D; ++d) qm[d] = src[d] * P.scale;
+      }
     }
   }
   std::fill(acc, acc + M * D, 0.f);
@@ -584,7 +595,7 @@ void AttentionPlan::run(const float* q, const KVView& kv, float* out) const {
               "the KV cache's shape is not the one the attention plan was built for");
   const Problem P{q, kv.data, kv.scales, out, qstart_t_.data_ptr<int64_t>(),
                   ctx_t_.data_ptr<int64_t>(), H_, Hkv_, H_ / Hkv_, D_, slots_, block_size_,
-                  tables_t_.size(1), scale_, window_};
+                  tables_t_.size(1), scale_, window_, kv.key_block};
   AT_DISPATCH_INDEX_TYPES(tables_t_.scalar_type(), "paged_attention", [&] {
     dispatch_kv(kv.dtype, [&](auto elem) {
       run_items<index_t, decltype(elem)>(P, tables_t_.data_ptr<index_t>(), items_, prefix_,
@@ -618,6 +629,7 @@ KVView kv_view(const at::Tensor& cache, const std::optional<at::Tensor>& scales)
                 "an int8 kv_cache needs kv_scales, a contiguous float16 [2, Hkv, slots] "
                 "tensor");
     v.scales = reinterpret_cast<f16_t*>(scales->data_ptr());
+    v.key_block = key_block(v.D);
   } else {
     TORCH_CHECK(!scales.has_value(), "kv_scales are for an int8 kv_cache only");
   }
