@@ -190,8 +190,8 @@ class KvloopEngine:
 
     def info(self) -> dict[str, Any]:
         # Layers of different KV cache groups share tensors (kv_cache.py): count each once.
-        kv = {t.data_ptr(): t for t in self.llm.engine.runner.kv_caches or []}
-        return {"kv_pool_mib": sum(t.numel() * t.element_size() for t in kv.values()) / 2**20}
+        kv = {c.data.data_ptr(): c for c in self.llm.engine.runner.kv_caches or []}
+        return {"kv_pool_mib": sum(c.nbytes for c in kv.values()) / 2**20}
 
 
 class TransformersEngine:

@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import TEXT, publish
 from kvloop import LLM, SamplingParams
 from kvloop.models import AttentionMetadata, PrefillSegment
+from kvloop.runner import native_kv_args
 
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.",
@@ -36,16 +37,18 @@ def all_logits(llm: LLM, ids: list[int]) -> torch.Tensor:  # [T, V]
 
 def decode_logits(llm: LLM, ids: list[int]) -> torch.Tensor:  # [T, V]
     """The same positions one decode step at a time through the native decoder (the path
-    every generated token takes), the KV cache filled as it goes."""
+    every generated token takes), the KV cache (in the engine's KV dtype) filled as it
+    goes."""
     runner = llm.engine.runner
     dec, bs = runner.decoder, runner.block_size
     assert dec is not None and runner.kv_caches is not None, "native kernels unavailable"
     table = torch.arange(-(-len(ids) // bs)).view(1, -1)  # blocks 0.. (the engine is idle)
+    data, scales = native_kv_args(runner.kv_caches)
     rows = []
     with torch.inference_mode():
         for t, tok in enumerate(ids):
-            h = dec.forward(torch.tensor([tok]), torch.tensor([t]), runner.kv_caches,
-                            torch.tensor([t]), table, torch.tensor([t + 1]), bs)
+            h = dec.forward(torch.tensor([tok]), torch.tensor([t]), data, torch.tensor([t]),
+                            table, torch.tensor([t + 1]), bs, None, scales)
             rows.append(dec.logits(h))
     return torch.cat(rows)
 

@@ -257,7 +257,7 @@ def inject_forward_failure(engine: LLMEngine, at_step: int, seen: list[set[str]]
             slots = [s.block_ids[p // bs] * bs + p % bs for p in range(s.start_pos,
                                                                         s.context_len)]
             for cache in engine.runner.kv_caches:
-                cache[:, :, slots] = 1e4
+                cache.data[:, :, slots] = 1e4
         raise RuntimeError("injected forward failure")
 
     engine.runner.execute = execute  # type: ignore[method-assign]

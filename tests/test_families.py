@@ -216,7 +216,7 @@ def test_decode_padding_reads_only_written_slots(tiny_model_dir: Path) -> None:
     llm = LLM(tiny_model_dir, kv_cache_memory=KV, use_kernels=False)
     bs = llm.engine.runner.block_size
     for cache in llm.engine.runner.kv_caches or []:
-        cache[:, :, bs:] = float("nan")  # block 0 stays zeroed, as the runner leaves it
+        cache.data[:, :, bs:] = float("nan")  # block 0 stays zeroed, as the runner leaves it
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == clean
 
 

@@ -29,6 +29,7 @@ from kvloop.models.attention import (
     sliding_window,
 )
 from kvloop.models.native import build_native_decoder, native_prefill_ready
+from kvloop.quant.kv import PagedKV
 from test_model_parity import compare_greedy, hf_greedy
 
 WINDOW = 16
@@ -134,7 +135,7 @@ def test_sliding_window_metadata(decode_path: str) -> None:
     positions = torch.cat([ctx - 1, torch.arange(chunk_ctx - L, chunk_ctx),
                            torch.arange(F_LEN)])
     windowed = sliding_window(meta, positions, W, Hkv, slots_n)
-    out = paged_attention(q, k, v, cache, windowed, 0.3)  # slot_mapping None: no writes
+    out = paged_attention(q, k, v, PagedKV(cache), windowed, 0.3)  # no slot_mapping: no writes
 
     for b in range(B):
         kpos = torch.arange(int(ctx[b]))

@@ -483,8 +483,9 @@ def test_bad_linear_inputs_raise() -> None:
 def test_bad_decoder_inputs_raise(tiny_model_dir: Path) -> None:
     llm = LLM(tiny_model_dir, quantization="none")
     runner = llm.engine.runner
-    dec, caches, bs = runner.decoder, runner.kv_caches, runner.block_size
-    assert dec is not None and caches is not None
+    assert runner.kv_caches is not None
+    dec, caches, bs = runner.decoder, [c.data for c in runner.kv_caches], runner.block_size
+    assert dec is not None
     c = llm.engine.model_config
 
     def call(ids: list[int], pos: list[int], slots: list[int],
@@ -503,7 +504,7 @@ def test_bad_decoder_inputs_raise(tiny_model_dir: Path) -> None:
         call([5], [0], [0], kv=caches[:1])
     with pytest.raises(RuntimeError, match="one position and slot per token"):
         call([5, 6], [0], [0])
-    with pytest.raises(RuntimeError, match="contiguous float32"):
+    with pytest.raises(RuntimeError, match="float32, bfloat16, float16 or int8"):
         call([5], [0], [0], kv=[t.double() for t in caches])
     far = runner.num_slots // bs  # one block past the pool
     with pytest.raises(RuntimeError, match=r"slot \d+ out of range"):
@@ -625,7 +626,7 @@ def first_decode_step(llm: LLM, prompts: list[list[int]],
     function that puts the KV caches back as they were before that step ran."""
     runner = llm.engine.runner
     assert runner.kv_caches is not None
-    caches = runner.kv_caches
+    caches = [c.data for c in runner.kv_caches]
     captured: list[tuple[SchedulerOutput, list[torch.Tensor]]] = []
     original = runner.execute
 

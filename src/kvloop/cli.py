@@ -402,7 +402,7 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     c = llm.engine.model_config
     weight_bytes = llm.engine.model.decode_read_bytes()
     n_params = c.num_params()
-    kv_per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4
+    kv_per_token = llm.engine.kv_bytes_per_token  # as --kv-cache-dtype stores it
     pred = rl.predict(n_params, weight_bytes / n_params, args.prompt_tokens,
                       args.output_tokens, machine, kv_per_token)
     print(f"model: {llm.engine.checkpoint.name}, {n_params / 1e6:,.1f} M parameters, "

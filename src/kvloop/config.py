@@ -113,6 +113,9 @@ def parse_size(text: str | int, param: str | None = None) -> int:
 # The weight-only quantization modes; kept equal to kvloop.quant.QUANTIZATIONS (a test checks)
 # because config sits below quant in the layers and must not import it.
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
+# How the KV cache stores K and V; kept equal to kvloop.quant.kv.KV_CACHE_DTYPES' names (a
+# test checks), for the same reason. int8 keeps one fp16 scale per token per head.
+KV_CACHE_DTYPES = ("fp32", "bf16", "fp16", "int8")
 # None (off), prompt lookup, or a draft model: this model with int4/int8 weights ("self:"),
 # or "draft:PATH", another model file sharing this one's tokenizer.
 SPECULATIVE_METHODS = (None, "ngram", "self:int4", "self:int8")
@@ -144,6 +147,10 @@ class EngineConfig:
     use_cache: bool = True
     block_size: int = 16
     kv_cache_memory: int | str = 2 * 2**30  # bytes (or "2GiB") for all K and V blocks
+    # How K and V are stored: "fp32" (the reference), "bf16" / "fp16" (half the bytes, so
+    # the same kv_cache_memory holds twice the tokens), "int8" (codes with one fp16 scale
+    # per token per head: ~4x). Attention always computes in fp32 over what is stored.
+    kv_cache_dtype: str = "fp32"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
@@ -201,6 +208,9 @@ class EngineConfig:
                            if cpus else f"an integer >= 1 and <= {MAX_THREADS_UNKNOWN_CPUS}")
         if self.quantization not in QUANTIZATIONS:
             raise _bad("quantization", self.quantization, f"one of {', '.join(QUANTIZATIONS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise _bad("kv_cache_dtype", self.kv_cache_dtype,
+                       f"one of {', '.join(KV_CACHE_DTYPES)}")
         if not (self.speculative in SPECULATIVE_METHODS or (
                 isinstance(self.speculative, str) and self.speculative.startswith("draft:")
                 and len(self.speculative) > len("draft:"))):

@@ -157,6 +157,7 @@ class KVCacheStats:
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of those, tokens found
     bytes_per_block: int = 0  # K and V of one block over the layers of one group
+    kv_dtype: str = "fp32"  # how the blocks store K and V (EngineConfig.kv_cache_dtype)
     # Per sequence holding KV (in admission order), the blocks its tables reference over
     # all groups (a block shared by a prefix hit or a fork counts for each sharer).
     seq_blocks: tuple[int, ...] = ()
@@ -204,14 +205,15 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  watermark: float = 0.01, group_windows: Sequence[int | None] = (None,),
-                 bytes_per_block: int = 0) -> None:
+                 bytes_per_block: int = 0, kv_dtype: str = "fp32") -> None:
         if not group_windows:
             raise ValueError("the KV cache needs at least one group")
         self.windows = list(group_windows)  # per group: its window, None for full attention
         self.num_groups = len(self.windows)
         self.pool = BlockPool(num_blocks, self.num_groups)
         self.block_size = block_size
-        self.bytes_per_block = bytes_per_block
+        self.bytes_per_block = bytes_per_block  # as the KV dtype stores them: the real bytes
+        self.kv_dtype = kv_dtype
         self.enable_prefix_caching = enable_prefix_caching
         # Admission keeps this many blocks spare, so running requests can grow a little
         # before anyone is preempted (avoids admit-then-preempt thrash).
@@ -272,7 +274,7 @@ class KVCacheManager:
                                for t in self._tables.values())
         return KVCacheStats(self.pool.num_blocks, self.pool.num_free,
                             self.prefix_queries, self.prefix_hits, self.bytes_per_block,
-                            seq_blocks)
+                            self.kv_dtype, seq_blocks)
 
     def find_cached_prefix(self, request: Request) -> CachedPrefix:
         """Leading full blocks of the request's tokens already in the cache.

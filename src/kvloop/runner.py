@@ -20,6 +20,7 @@ from kvloop.models.attention import (
 )
 from kvloop.models.native import build_native_decoder, native_prefill_ready
 from kvloop.params import SamplingParams
+from kvloop.quant.kv import PagedKV, kv_bytes_per_row
 from kvloop.sampling import Sampler, SamplingRow
 from kvloop.sampling.rejection import verify_drafts
 
@@ -32,6 +33,15 @@ def padded_block_tables(seqs: list[ScheduledSeq], group: int = 0) -> torch.Tenso
             else [s.group_block_ids[group - 1] for s in seqs])
     max_blocks = max(len(r) for r in rows)
     return torch.tensor([r + [0] * (max_blocks - len(r)) for r in rows], dtype=torch.long)
+
+
+def native_kv_args(caches: list[PagedKV]) -> tuple[list[torch.Tensor],
+                                                   list[torch.Tensor] | None]:
+    """The native decoder's kv_caches and kv_scales arguments (None unless int8)."""
+    data = [c.data for c in caches]
+    if caches and caches[0].scales is not None:
+        return data, [c.scales for c in caches if c.scales is not None]
+    return data, None
 
 
 @dataclass
@@ -62,21 +72,25 @@ class RunnerOutput:
 
 
 def kv_cache_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int,
-                             block_size: int, dtype: torch.dtype = torch.float32) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+                             block_size: int, kv_dtype: str = "fp32") -> int:
+    """K and V of one block over `num_layers` layers, as a `kv_dtype` cache stores them
+    (int8: the codes and each row's scale): what ModelRunner allocates per block."""
+    return 2 * num_layers * block_size * num_kv_heads * kv_bytes_per_row(kv_dtype, head_dim)
 
 
 class ModelRunner:
     """`kv_groups`: the KV cache groups the scheduler's tables follow (kv_cache.py);
-    None: one group of every layer, each layer keeping every position."""
+    None: one group of every layer, each layer keeping every position. `kv_dtype`: how
+    the cache stores K and V (kvloop.quant.kv.KV_CACHE_DTYPES)."""
 
     def __init__(self, model: CausalLM, block_size: int, num_blocks: int,
                  use_cache: bool = True, use_kernels: bool = True,
-                 kv_groups: list[KVCacheGroup] | None = None) -> None:
+                 kv_groups: list[KVCacheGroup] | None = None,
+                 kv_dtype: str = "fp32") -> None:
         self.model = model
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
+        self.kv_dtype = kv_dtype
         c = model.config
         self.kv_groups = kv_groups or [KVCacheGroup(tuple(range(c.num_layers)))]
         # Layer i keeps its K/V in tensor j when it is the j-th layer of its group, and
@@ -87,21 +101,22 @@ class ModelRunner:
             for j, layer in enumerate(group.layers):
                 slot_of_layer[layer], group_of_layer[layer] = j, g
         self.layer_group = tuple(group_of_layer)
-        # One [2, kv_heads, slots, head_dim] tensor per layer of a group (per layer when
-        # there is one group); slot = block * block_size + offset.
+        # One PagedKV ([2, kv_heads, slots, head_dim] in kv_dtype, int8 with its scales) per
+        # layer of a group (per layer when there is one group); slot = block * block_size
+        # + offset.
         # Left uninitialised: the OS maps pages only as blocks are first written, so the
         # pool costs resident memory in proportion to use, not to kv_cache_memory. Nothing
         # reads a slot before it is written, except the PyTorch decode path's padding,
         # which points at slot 0 (masked out): block 0 is zeroed so that it is finite.
-        self.kv_caches: list[torch.Tensor] | None = None  # per layer, shared within a slot
-        self._kv_tensors: list[torch.Tensor] = []
+        self.kv_caches: list[PagedKV] | None = None  # per layer, shared within a slot
+        self._kv_by_slot: list[PagedKV] = []
         if use_cache:
-            self._kv_tensors = [
-                torch.empty(2, c.num_kv_heads, num_blocks * block_size, c.head_dim)
+            self._kv_by_slot = [
+                PagedKV.allocate(kv_dtype, c.num_kv_heads, num_blocks * block_size, c.head_dim)
                 for _ in self.kv_groups[0].layers]
-            for cache in self._kv_tensors:
-                cache[:, :, :block_size].zero_()
-            self.kv_caches = [self._kv_tensors[j] for j in slot_of_layer]
+            for cache in self._kv_by_slot:
+                cache.zero_(block_size)
+            self.kv_caches = [self._kv_by_slot[j] for j in slot_of_layer]
         self.sampler = Sampler()
         # The native paged-attention kernel (built once, cached); the PyTorch gather + SDPA
         # path is the fallback and the reference it is tested against.
@@ -137,8 +152,8 @@ class ModelRunner:
         bs = self.block_size
         src = torch.cat([torch.arange(s * bs, (s + 1) * bs) for s, _ in pairs])
         dst = torch.cat([torch.arange(d * bs, (d + 1) * bs) for _, d in pairs])
-        for cache in self._kv_tensors:
-            cache[:, :, dst] = cache[:, :, src]
+        for cache in self._kv_by_slot:
+            cache.copy_slots(dst, src)
 
     # -- the step ---------------------------------------------------------------------------
     @torch.inference_mode()
@@ -304,10 +319,11 @@ class ModelRunner:
         # None for a decode-only step: one row per sequence.
         query_start = (torch.tensor([0, *itertools.accumulate(s.num_tokens for s in seqs)])
                        if sched.prefills else None)
+        data, scales = native_kv_args(self.kv_caches)
         return self.decoder.forward(  # type: ignore[no-any-return]
-            torch.tensor(ids), torch.tensor(pos), self.kv_caches, torch.tensor(slots),
+            torch.tensor(ids), torch.tensor(pos), data, torch.tensor(slots),
             padded_block_tables(seqs), torch.tensor([s.context_len for s in seqs]), bs,
-            query_start)
+            query_start, scales)
 
     def _metadata(self, sched: SchedulerOutput, pos: torch.Tensor) -> AttentionMetadata:
         meta = AttentionMetadata(num_decodes=len(sched.decodes))

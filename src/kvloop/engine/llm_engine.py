@@ -208,8 +208,13 @@ class LLMEngine:
         # needs its blocks, so capacity is counted in group-sized blocks.
         self.kv_groups = kv_cache_groups(c)
         num_groups = len(self.kv_groups)
+        # In the bytes the KV dtype stores (int8: codes and scales), so the same
+        # kv_cache_memory holds 2x (16-bit) or ~4x (int8) the blocks of fp32.
         self.kv_bytes_per_block = kv_cache_bytes_per_block(
-            len(self.kv_groups[0].layers), c.num_kv_heads, c.head_dim, ec.block_size)
+            len(self.kv_groups[0].layers), c.num_kv_heads, c.head_dim, ec.block_size,
+            ec.kv_cache_dtype)
+        # K and V of one position over every layer (each group holds its own layers').
+        self.kv_bytes_per_token = self.kv_bytes_per_block * num_groups // ec.block_size
         windows = [g.window for g in self.kv_groups]
         # Never more blocks than max_num_seqs full-length sequences could use; never so few
         # that the context would silently shrink to a handful of tokens (refused: checked
@@ -226,7 +231,7 @@ class LLMEngine:
                                                     ec.max_num_batched_tokens,
                                                     self.max_model_len)
         self.runner = ModelRunner(self.model, ec.block_size, num_blocks, ec.use_cache,
-                                  ec.use_kernels, self.kv_groups)
+                                  ec.use_kernels, self.kv_groups, ec.kv_cache_dtype)
         # Speculative decoding: drafts of up to num_speculative_tokens per sequence, adapted
         # to each one's recent acceptance; none while more than spec_max_batch sequences
         # decode (the step is compute-bound: draft rows would cost more than they save).
@@ -258,7 +263,10 @@ class LLMEngine:
             self._check_draft(checkpoint)
         native = ec.use_kernels and kernels.available()
         draft = load_model(checkpoint, ec.pack_weights, quantization, native=native)
-        return DraftModelProposer(draft, ec.block_size, self.num_blocks, ec.use_kernels)
+        # The draft's pool has the target's block count: in the target's KV dtype, so that
+        # its bytes shrink with the target's and not grow 4x with an int8 target's blocks.
+        return DraftModelProposer(draft, ec.block_size, self.num_blocks, ec.use_kernels,
+                                  ec.kv_cache_dtype)
 
     def _check_draft(self, draft: Checkpoint) -> None:
         """A draft's token ids must mean what the target's mean."""
@@ -271,7 +279,8 @@ class LLMEngine:
         ec = self.config
         self.kv = KVCacheManager(self.num_blocks, ec.block_size, ec.enable_prefix_caching,
                                  group_windows=[g.window for g in self.kv_groups],
-                                 bytes_per_block=self.kv_bytes_per_block)
+                                 bytes_per_block=self.kv_bytes_per_block,
+                                 kv_dtype=ec.kv_cache_dtype)
         self.scheduler = Scheduler(
             SchedulerConfig(ec.max_num_seqs, ec.max_num_batched_tokens, ec.use_cache), self.kv)
 

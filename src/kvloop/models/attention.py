@@ -1,10 +1,12 @@
 """Attention over a paged KV cache, and the per-step metadata that describes the batch.
 
-The cache of one layer is a tensor ``[2, kv_heads, num_slots, head_dim]`` (K then V), where
-``num_slots = num_blocks * block_size`` and block ``b`` owns slots ``b*block_size ..``.
-Heads lead so that gathering a sequence's slots yields ``[kv_heads, S, head_dim]`` already
-contiguous: SDPA's CPU kernels are many times slower on strided K/V, so the layout is
-chosen to make the one gather per layer also the only copy.
+The cache of one layer is a ``PagedKV`` (kvloop.quant.kv): a tensor ``[2, kv_heads,
+num_slots, head_dim]`` (K then V) in the KV cache dtype (fp32, bf16, fp16, or int8 codes
+with a scale per token per head), where ``num_slots = num_blocks * block_size`` and block
+``b`` owns slots ``b*block_size ..``. Heads lead so that gathering a sequence's slots
+yields ``[kv_heads, S, head_dim]`` already contiguous: SDPA's CPU kernels are many times
+slower on strided K/V, so the layout is chosen to make the one gather per layer also the
+only copy (a 16-bit or int8 cache is converted to fp32 as it is gathered).
 
 A step's tokens are flattened (no padding): first one token per decoding sequence, then the
 prompt chunks being prefilled. Decode rows are attended in one batched call; each prefill
@@ -23,6 +25,7 @@ import torch.nn.functional as F
 
 from kvloop import kernels
 from kvloop.config import ModelConfig
+from kvloop.quant.kv import PagedKV
 
 
 @dataclass
@@ -218,32 +221,27 @@ def _window_decode(
         ~valid.view(B, 1, 1, W), float("-inf"))
 
 
-def _gather(cache: torch.Tensor, index: torch.Tensor, B: int, S: int) -> torch.Tensor:
-    """cache [Hkv, slots, D] -> [B, Hkv, S, D], contiguous, in one copy.
-
-    A dim-0 index_select over whole 256-byte rows was measured ~5x faster here than
-    selecting along the slot dimension and transposing."""
-    D = cache.shape[-1]
-    return cache.view(-1, D).index_select(0, index).view(B, -1, S, D)
-
-
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, Hkv, D]
     v: torch.Tensor,  # [T, Hkv, D]
-    kv_cache: torch.Tensor | None,  # [2, Hkv, slots, D]
+    kv_cache: PagedKV | None,  # [2, Hkv, slots, D] in the cache's dtype
     meta: AttentionMetadata,
     scale: float,
     softcap: float | None = None,  # Gemma 2: scores = softcap * tanh(scores / softcap)
 ) -> torch.Tensor:  # [T, H, D]
     """Softcapped attention has no kernel: its decode rows must come as a gather index
-    (kvloop.models.gemma2.without_decode_kernel), and it runs softcapped_sdpa."""
+    (kvloop.models.gemma2.without_decode_kernel), and it runs softcapped_sdpa.
+
+    With a 16-bit or int8 cache, every query sees K/V as stored (rounded), its own chunk's
+    included (PagedKV.write), as the native kernels do. An int8 cache's keys are stored
+    rotated: SDPA then takes the queries rotated alike (the kernel rotates its own)."""
     sdpa: Callable[..., torch.Tensor] = F.scaled_dot_product_attention
     if softcap is not None:
         sdpa = partial(softcapped_sdpa, softcap=softcap)
     if kv_cache is not None and meta.slot_mapping is not None:
-        kv_cache[0].index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        kv_cache[1].index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        k, v = kv_cache.write(meta.slot_mapping, k, v)
+    qs_all = q if kv_cache is None else kv_cache.rotate_queries(q)  # q itself unless int8
 
     out = torch.empty_like(q)
     n = meta.num_decodes
@@ -251,21 +249,21 @@ def paged_attention(
         assert kv_cache is not None and meta.decode_context_lens is not None
         assert softcap is None, "the decode kernel does not softcap"
         out[:n] = kernels.paged_decode_attention(
-            q[:n], kv_cache, meta.decode_block_tables, meta.decode_context_lens,
-            meta.block_size, scale, meta.decode_window)  # [B, H, D]
+            q[:n], kv_cache.data, meta.decode_block_tables, meta.decode_context_lens,
+            meta.block_size, scale, meta.decode_window, kv_cache.scales)  # [B, H, D]
     elif n:
         assert kv_cache is not None and meta.decode_kv_index is not None
         B, S = meta.decode_shape
-        keys = _gather(kv_cache[0], meta.decode_kv_index, B, S)  # [B, Hkv, S, D]
-        values = _gather(kv_cache[1], meta.decode_kv_index, B, S)
+        keys = kv_cache.gather(0, meta.decode_kv_index, B, S)  # [B, Hkv, S, D] fp32
+        values = kv_cache.gather(1, meta.decode_kv_index, B, S)
         o = sdpa(
-            q[:n].unsqueeze(2), keys, values,  # q: [B, H, 1, D]
+            qs_all[:n].unsqueeze(2), keys, values,  # q: [B, H, 1, D]
             attn_mask=meta.decode_mask, scale=scale, enable_gqa=True,
         )
         out[:n] = o.squeeze(2)
     for seg in meta.prefills:
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
-        qs = q[rows].transpose(0, 1).contiguous().unsqueeze(0)  # [1, H, L, D]
+        qs = qs_all[rows].transpose(0, 1).contiguous().unsqueeze(0)  # [1, H, L, D]
         if seg.kv_index is None:
             ks = k[rows].transpose(0, 1).contiguous().unsqueeze(0)  # [1, Hkv, L, D]
             vs = v[rows].transpose(0, 1).contiguous().unsqueeze(0)
@@ -276,9 +274,9 @@ def paged_attention(
             )
         else:
             assert kv_cache is not None
-            ctx = seg.kv_index.shape[0] // kv_cache.shape[1]
-            ks = _gather(kv_cache[0], seg.kv_index, 1, ctx)  # [1, Hkv, ctx, D]
-            vs = _gather(kv_cache[1], seg.kv_index, 1, ctx)
+            ctx = seg.kv_index.shape[0] // kv_cache.num_kv_heads
+            ks = kv_cache.gather(0, seg.kv_index, 1, ctx)  # [1, Hkv, ctx, D] fp32
+            vs = kv_cache.gather(1, seg.kv_index, 1, ctx)
             o = sdpa(qs, ks, vs, attn_mask=seg.mask, scale=scale, enable_gqa=True)
         out[rows] = o[0].transpose(0, 1)
     return out

@@ -17,6 +17,7 @@ from torch import nn
 from kvloop.config import ModelConfig
 from kvloop.models.attention import AttentionMetadata
 from kvloop.models.linear import Linear
+from kvloop.quant.kv import PagedKV
 
 
 class CausalLM(Protocol):
@@ -40,7 +41,7 @@ class CausalLM(Protocol):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
-        kv_caches: list[torch.Tensor] | None = None,  # one [2, Hkv, slots, D] per layer
+        kv_caches: list[PagedKV] | None = None,  # one per layer
     ) -> torch.Tensor: ...  # [T, hidden], final-normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...  # [N, hidden] -> [N, V]

@@ -25,6 +25,7 @@ from kvloop.models.attention import (
     map_groups,
 )
 from kvloop.models.base import Architecture, ConfigReader, Dim
+from kvloop.quant.kv import PagedKV
 
 SLIDING, FULL = gemma3.SLIDING, gemma3.FULL
 ROPE_THETA = 10_000.0  # Gemma2Config's default
@@ -44,10 +45,10 @@ class Gemma2ForCausalLM(gemma3.Gemma3ForCausalLM):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
-        kv_caches: list[torch.Tensor] | None = None,  # one [2, Hkv, slots, D] per layer
+        kv_caches: list[PagedKV] | None = None,  # one per layer
     ) -> torch.Tensor:  # [T, hidden], final-normed
         if self.config.attn_logit_softcapping is not None and kv_caches:
-            heads, slots = self.config.num_kv_heads, kv_caches[0].shape[2]
+            heads, slots = self.config.num_kv_heads, kv_caches[0].num_slots
             meta = map_groups(meta, lambda m: without_decode_kernel(m, heads, slots))
         return super().forward(input_ids, positions, meta, kv_caches)
 

@@ -35,6 +35,7 @@ from kvloop.models.base import Architecture, ConfigReader, Dim, config_dims
 from kvloop.models.linear import Linear
 from kvloop.models.rope import RotaryEmbedding
 from kvloop.quant import BlockLinear
+from kvloop.quant.kv import PagedKV
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # Defaults of HF's Gemma3TextConfig, for config.json files that leave them out.
@@ -100,7 +101,7 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,  # [T, hidden]
         rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: torch.Tensor | None,
+        kv_cache: PagedKV | None,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         h = self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
@@ -135,13 +136,13 @@ class Gemma3ForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
-        kv_caches: list[torch.Tensor] | None = None,  # one [2, Hkv, slots, D] per layer
+        kv_caches: list[PagedKV] | None = None,  # one per layer
     ) -> torch.Tensor:  # [T, hidden], final-normed
         c = self.config
         x = self.embed(input_ids) * self.embed_scale  # [T, hidden]
         rope_global = self.rope.cos_sin(positions)
         rope_local = self.local_rope.cos_sin(positions)
-        num_slots = kv_caches[0].shape[2] if kv_caches else 0
+        num_slots = kv_caches[0].num_slots if kv_caches else 0
         layers = [cast(DecoderLayer, layer) for layer in self.layers]
         metas = layer_metadata(meta, positions, [layer.sliding for layer in layers],
                                c.sliding_window, c.num_kv_heads, num_slots)

@@ -24,6 +24,7 @@ from kvloop.models.base import Architecture, ConfigReader, Dim, config_dims
 from kvloop.models.linear import Linear
 from kvloop.models.rope import RotaryEmbedding
 from kvloop.quant import BlockLinear
+from kvloop.quant.kv import PagedKV
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -69,7 +70,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,  # [T, hidden]
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [T, 1, D]
-        kv_cache: torch.Tensor | None,  # [2, Hkv, slots, D]
+        kv_cache: PagedKV | None,  # [2, Hkv, slots, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # [T, q + 2kv]
@@ -116,7 +117,7 @@ class DecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: torch.Tensor | None,
+        kv_cache: PagedKV | None,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
@@ -144,14 +145,14 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
         meta: AttentionMetadata,
-        kv_caches: list[torch.Tensor] | None = None,  # one [2, Hkv, slots, D] per layer
+        kv_caches: list[PagedKV] | None = None,  # one per layer
     ) -> torch.Tensor:  # [T, hidden], final-normed
         c = self.config
         x = self.embed(input_ids)
         rope = self.rope.cos_sin(positions)
         # Each layer's KV cache group's metadata, windowed for sliding layers.
         metas = layer_metadata(meta, positions, self.sliding, c.sliding_window,
-                               c.num_kv_heads, kv_caches[0].shape[2] if kv_caches else 0)
+                               c.num_kv_heads, kv_caches[0].num_slots if kv_caches else 0)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, None if kv_caches is None else kv_caches[i], metas[i])
         return self.norm(x)

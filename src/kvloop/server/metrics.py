@@ -54,7 +54,13 @@ class _EngineCollector(Collector):
                                 st.kv.num_used_blocks / max(st.kv.num_blocks, 1))
         yield GaugeMetricFamily("kvloop_kv_cache_bytes_per_block",
                                 "K and V bytes of one block (over one KV cache group's "
-                                "layers).", st.kv.bytes_per_block)
+                                "layers), as the KV cache dtype stores them.",
+                                st.kv.bytes_per_block)
+        dtype = GaugeMetricFamily("kvloop_kv_cache_dtype_info",
+                                  "How the KV cache stores K and V (the label; value 1).",
+                                  labels=["dtype"])
+        dtype.add_metric([st.kv.kv_dtype], 1)
+        yield dtype
         # KV each sequence holds now (sliding-window layers only their window's blocks).
         seq_bytes = st.kv.seq_kv_bytes
         kv_buckets = [(f"{b:.0f}", sum(1 for x in seq_bytes if x <= b))

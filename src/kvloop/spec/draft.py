@@ -36,8 +36,9 @@ class _DraftSeq:
 
 class DraftModelProposer:
     def __init__(self, model: CausalLM, block_size: int, num_blocks: int,
-                 use_kernels: bool = True) -> None:
-        self.runner = ModelRunner(model, block_size, num_blocks, True, use_kernels)
+                 use_kernels: bool = True, kv_dtype: str = "fp32") -> None:
+        self.runner = ModelRunner(model, block_size, num_blocks, True, use_kernels,
+                                  kv_dtype=kv_dtype)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False,
                                  watermark=0.0)
         self._seqs: dict[str, _DraftSeq] = {}

@@ -32,7 +32,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using Release = py::call_guard<py::gil_scoped_release>;
   m.def("paged_attention_varlen", &kvloop::paged_attention_varlen,
         "Paged attention for decode rows and prefill chunks over a block-table KV cache",
-        Release());
+        py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("query_start"),
+        py::arg("context_lens"), py::arg("block_size"), py::arg("scale"), py::arg("window"),
+        py::arg("kv_scales") = py::none(), Release());
+  m.def("kv_store", &kvloop::kv_store,
+        "k, v [T, Hkv, D] fp32 written at slot_mapping [T] in the cache's dtype (the "
+        "decoder's rounding)",
+        py::arg("kv_cache"), py::arg("kv_scales"), py::arg("slot_mapping"), py::arg("k"),
+        py::arg("v"), Release());
   m.def("compiled_with_avx2", &compiled_with_avx2);
   m.def("compiled_isa", &compiled_isa);
   m.def("quantize_acts", &kvloop::quantize_acts_tensor,
@@ -64,7 +71,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &Decoder::forward, py::arg("token_ids"), py::arg("positions"),
            py::arg("kv_caches"), py::arg("slot_mapping"), py::arg("block_tables"),
            py::arg("context_lens"), py::arg("block_size"), py::arg("query_start") = py::none(),
-           Release())
+           py::arg("kv_scales") = py::none(), Release())
       .def("logits", &Decoder::logits, Release())
       .def_property_readonly("num_layers", &Decoder::num_layers);
 }

@@ -90,7 +90,8 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
                             const std::vector<at::Tensor>& kv_caches,
                             const at::Tensor& slot_mapping_, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, int64_t block_size,
-                            const std::optional<at::Tensor>& query_start) const {
+                            const std::optional<at::Tensor>& query_start,
+                            const std::optional<std::vector<at::Tensor>>& kv_scales) const {
   const auto ids_t = token_ids_.to(at::kLong).contiguous();
   const auto pos_t = positions_.to(at::kLong).contiguous();
   const auto slot_t = slot_mapping_.to(at::kLong).contiguous();
@@ -142,13 +143,23 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
                   pos[m]);
     }
   }
-  // All layers' caches have one shape, so the slots and block ids are checked once.
-  for (const auto& c : kv_caches)
-    TORCH_CHECK(c.scalar_type() == at::kFloat && c.dim() == 4 && c.size(0) == 2 &&
-                    c.size(1) == Hkv && c.size(3) == D && c.is_contiguous() &&
-                    c.sizes() == kv_caches.front().sizes(),
-                "each KV cache must be a contiguous float32 [2, Hkv, slots, D] tensor, all "
-                "of one shape");
+  // All layers' caches have one shape and dtype, so the slots and block ids are checked
+  // once.
+  TORCH_CHECK(!kv_scales.has_value() || kv_scales->size() == kv_caches.size(),
+              "one kv_scales tensor per layer's KV cache");
+  std::vector<KVView> views;
+  views.reserve(kv_caches.size());
+  for (size_t i = 0; i < kv_caches.size(); ++i) {
+    const auto& c = kv_caches[i];
+    TORCH_CHECK(c.dim() == 4 && c.size(0) == 2 && c.size(1) == Hkv && c.size(3) == D &&
+                    c.is_contiguous() && c.sizes() == kv_caches.front().sizes() &&
+                    c.scalar_type() == kv_caches.front().scalar_type(),
+                "each KV cache must be a contiguous [2, Hkv, slots, D] tensor (float32, "
+                "bfloat16, float16 or int8), all of one shape and dtype");
+    views.push_back(kv_view(c, kv_scales.has_value()
+                                   ? std::optional<at::Tensor>((*kv_scales)[i])
+                                   : std::nullopt));
+  }
   const int64_t num_slots = kv_caches.empty() ? 0 : kv_caches.front().size(2);
   for (int64_t m = 0; m < M; ++m)
     TORCH_CHECK(slot[m] >= 0 && slot[m] < num_slots, "slot ", slot[m], " out of range");
@@ -173,18 +184,19 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
     // Attention block.
     rms_norm(x, L.attn_norm.data_ptr<float>(), M, H, eps_, h);
     L.qkv->apply(h, M, ws.acts, qkv);
-    float* cache = kv_caches[li].data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m) {
-      float* row = qkv + m * qkv_n;  // [q: Hq*D | k: Hkv*D | v: Hkv*D]
-      rope(row, Hq + Hkv, D, cos + pos[m] * D, sin + pos[m] * D);
-      std::memcpy(q + m * Hq * D, row, Hq * D * sizeof(float));
-      for (int64_t kh = 0; kh < Hkv; ++kh) {
-        std::memcpy(cache + (kh * num_slots + slot[m]) * D, row + (Hq + kh) * D,
-                    D * sizeof(float));
-        std::memcpy(cache + ((Hkv + kh) * num_slots + slot[m]) * D, row + (Hq + Hkv + kh) * D,
-                    D * sizeof(float));
+    const KVView& cache = views[li];
+    dispatch_kv(cache.dtype, [&](auto elem) {
+      using T = decltype(elem);
+      for (int64_t m = 0; m < M; ++m) {
+        float* row = qkv + m * qkv_n;  // [q: Hq*D | k: Hkv*D | v: Hkv*D]
+        rope(row, Hq + Hkv, D, cos + pos[m] * D, sin + pos[m] * D);
+        std::memcpy(q + m * Hq * D, row, Hq * D * sizeof(float));
+        for (int64_t kh = 0; kh < Hkv; ++kh) {  // fp32: a memcpy, as before the dtypes
+          kv_store_row<T>(cache, 0, kh, slot[m], row + (Hq + kh) * D);
+          kv_store_row<T>(cache, 1, kh, slot[m], row + (Hq + Hkv + kh) * D);
+        }
       }
-    }
+    });
     attention.run(q, cache, o);  // [M, Hq, D]
     L.o_proj->apply(o, M, ws.acts, delta);
     for (int64_t i = 0; i < M * H; ++i) x[i] += delta[i];

@@ -9,6 +9,8 @@
 #include <optional>
 #include <vector>
 
+#include "kv_dtype.h"
+
 namespace kvloop {
 
 // ---- paged attention (paged_attention.cpp) ----
@@ -30,14 +32,14 @@ struct AttentionItem {
 // the decode step builds one per step and runs it for every layer.
 class AttentionPlan {
  public:
-  // T query rows of num_heads heads; caches [2, num_kv_heads, slots, head_dim]. See
-  // paged_attention_varlen for the other arguments.
+  // T query rows of num_heads heads; caches [2, num_kv_heads, slots, head_dim] of any KV
+  // dtype. See paged_attention_varlen for the other arguments.
   AttentionPlan(int64_t T, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                 int64_t slots, const at::Tensor& block_tables,
                 const std::optional<at::Tensor>& query_start, const at::Tensor& context_lens,
                 int64_t block_size, double scale, int64_t window = 0);
-  // q [T, H, D], kv_cache [2, Hkv, slots, D] -> out [T, H, D] (raw contiguous fp32).
-  void run(const float* q, const float* kv_cache, float* out) const;
+  // q [T, H, D] -> out [T, H, D] (raw contiguous fp32) over the cache `kv` (kv_view).
+  void run(const float* q, const KVView& kv, float* out) const;
 
  private:
   int64_t H_, Hkv_, D_, slots_, block_size_;
@@ -52,7 +54,15 @@ at::Tensor paged_attention_varlen(const at::Tensor& q, const at::Tensor& kv_cach
                                   const at::Tensor& block_tables,
                                   const std::optional<at::Tensor>& query_start,
                                   const at::Tensor& context_lens, int64_t block_size,
-                                  double scale, int64_t window);
+                                  double scale, int64_t window,
+                                  const std::optional<at::Tensor>& kv_scales = std::nullopt);
+// A layer's cache ([2, Hkv, slots, D] fp32 / bf16 / fp16 / int8, with its [2, Hkv, slots]
+// fp16 scales for int8), checked, as the kernels address it.
+KVView kv_view(const at::Tensor& cache, const std::optional<at::Tensor>& scales);
+// The native writer: k, v [T, Hkv, D] fp32 stored at slot_mapping [T] in the cache's dtype,
+// rounded as the decoder writes them (kv_dtype.h). For tests against kvloop.quant.kv.
+void kv_store(const at::Tensor& kv_cache, const std::optional<at::Tensor>& kv_scales,
+              const at::Tensor& slot_mapping, const at::Tensor& k, const at::Tensor& v);
 
 // ---- weight-only quantized / fp32 linear layers (linear.cpp) ----
 
@@ -172,12 +182,16 @@ class Decoder {
   // [N, max_blocks] and context_lens [N] int64, one per sequence; query_start [N + 1]: the
   // sequences' rows (None: one token each, a decode step, N == M). A sequence's rows are
   // the last positions of its context (prefill chunks after a cached prefix included).
-  // One [2, Hkv, slots, D] fp32 cache per layer. Returns final-normed [M, hidden].
+  // One [2, Hkv, slots, D] cache per layer, all of one shape and dtype (fp32, bf16, fp16,
+  // or int8 with kv_scales: one [2, Hkv, slots] fp16 tensor per layer); K/V are written in
+  // it rounded as kv_dtype.h says. Returns final-normed [M, hidden].
   at::Tensor forward(const at::Tensor& token_ids, const at::Tensor& positions,
                      const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
                      const at::Tensor& block_tables, const at::Tensor& context_lens,
                      int64_t block_size,
-                     const std::optional<at::Tensor>& query_start = std::nullopt) const;
+                     const std::optional<at::Tensor>& query_start = std::nullopt,
+                     const std::optional<std::vector<at::Tensor>>& kv_scales =
+                         std::nullopt) const;
   at::Tensor logits(const at::Tensor& hidden) const;  // [N, hidden] -> [N, vocab]
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 

@@ -14,6 +14,13 @@
 // memory once per item and then reused from L1 for every query vector. Keys are walked
 // in tiles of kTile with an online softmax (running max + sum, fp32), flash-decoding style.
 //
+// The cache holds fp32, bf16, fp16 or int8 rows (kv_dtype.h); every kernel below is a
+// template over the element type T. Rows are converted to fp32 in registers as they are
+// read (bf16: a 16-bit shift, fp16: F16C, int8: sign extension), so the arithmetic is fp32
+// throughout. An int8 row's scale is applied once per row, not per element: a score is
+// s_k * (q . codes), and the softmax weight of a V row is multiplied by s_v before the PV
+// accumulation. The fp32 instantiation is the kernel as it was before the other dtypes.
+//
 // Compiled with AVX2/FMA intrinsics when __AVX2__ is defined; otherwise plain loops.
 
 #include "kvloop.h"
@@ -32,6 +39,7 @@
 #include <optional>
 #include <vector>
 
+#include "kv_dtype.h"
 #include "simd.h"
 
 namespace kvloop {
@@ -114,47 +122,59 @@ struct SlotCursor {
 // it (which silently removed all prefetches from an earlier version of this file).
 #define KVLOOP_ALWAYS_INLINE inline __attribute__((always_inline))
 
-// Every cache line the D floats of a row touch (one more when the row is not aligned).
-KVLOOP_ALWAYS_INLINE void prefetch_row(const float* row, int64_t D) {
-  const uintptr_t end = reinterpret_cast<uintptr_t>(row + D);
-  for (uintptr_t a = reinterpret_cast<uintptr_t>(row) & ~uintptr_t{63}; a < end; a += 64)
+// Every cache line the `bytes` bytes of a row touch (one more when it is not aligned).
+KVLOOP_ALWAYS_INLINE void prefetch_row(const void* row, int64_t bytes) {
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(row);
+  const uintptr_t end = begin + bytes;
+  for (uintptr_t a = begin & ~uintptr_t{63}; a < end; a += 64)
     __builtin_prefetch(reinterpret_cast<const void*>(a), 0, kPrefetchLocality);
 }
 
-// The K and V row pointers of one tile of keys.
+// The K and V row pointers of one tile of keys (int8: and their scales').
+template <typename T>
 struct TileRows {
-  const float* k[kTile];
-  const float* v[kTile];
+  const T* k[kTile];
+  const T* v[kTile];
+  const f16_t* ks[kTile];  // int8 only
+  const f16_t* vs[kTile];
   int64_t n = 0;
 
   template <typename index_t>
-  void load(SlotCursor<index_t>& cur, int64_t count, const float* kbase, const float* vbase,
-            int64_t D) {
+  void load(SlotCursor<index_t>& cur, int64_t count, const T* kbase, const T* vbase,
+            const f16_t* ksbase, const f16_t* vsbase, int64_t D) {
     n = count;
     for (int64_t j = 0; j < n; ++j) {
       const int64_t slot = cur.next();
       k[j] = kbase + slot * D;
       v[j] = vbase + slot * D;
+      if constexpr (kQuantized<T>) {
+        ks[j] = ksbase + slot;
+        vs[j] = vsbase + slot;
+      }
     }
   }
 
   KVLOOP_ALWAYS_INLINE void prefetch(int64_t from, int64_t to, int64_t D) const {
     for (int64_t j = from; j < std::min(to, n); ++j) {
-      prefetch_row(k[j], D);
-      prefetch_row(v[j], D);
+      prefetch_row(k[j], D * static_cast<int64_t>(sizeof(T)));
+      prefetch_row(v[j], D * static_cast<int64_t>(sizeof(T)));
+      if constexpr (kQuantized<T>) {  // a block's scales share a line: cheap repeats
+        __builtin_prefetch(ks[j], 0, kPrefetchLocality);
+        __builtin_prefetch(vs[j], 0, kPrefetchLocality);
+      }
     }
   }
 };
 
-// s[i * kTile + j] = dot(q[i], k_j) for NQ query vectors (rows of q, stride D), j < n.
-// Also prefetches row j of `ahead` (the next tile) at key j, if given: spread over the
-// loop, the prefetches never pile up in the miss queues.
-template <int NQ>
-inline void dot_block(const float* q, const float* const* krows, int64_t n, int64_t D,
-                      float* s, const TileRows* ahead) {
+// s[i * kTile + j] = dot(q[i], k_j) for NQ query vectors (rows of q, stride D), j < n
+// (int8: times the row's scale). Also prefetches row j of `ahead` (the next tile) at key
+// j, if given: spread over the loop, the prefetches never pile up in the miss queues.
+template <int NQ, typename T>
+inline void dot_block(const float* q, const TileRows<T>& rows, int64_t n, int64_t D,
+                      float* s, const TileRows<T>* ahead) {
   for (int64_t j = 0; j < n; ++j) {
     if (ahead != nullptr) ahead->prefetch(j, j + 1, D);
-    const float* k = krows[j];
+    const T* k = rows.k[j];
     float tot[NQ];
     int64_t d = 0;
 #ifdef __AVX2__
@@ -162,14 +182,14 @@ inline void dot_block(const float* q, const float* const* krows, int64_t n, int6
     __m256 a0[NQ], a1[NQ];
     for (int i = 0; i < NQ; ++i) a0[i] = a1[i] = _mm256_setzero_ps();
     for (; d + 16 <= D; d += 16) {
-      const __m256 k0 = _mm256_loadu_ps(k + d), k1 = _mm256_loadu_ps(k + d + 8);
+      const __m256 k0 = load8(k + d), k1 = load8(k + d + 8);
       for (int i = 0; i < NQ; ++i) {
         a0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * D + d), k0, a0[i]);
         a1[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * D + d + 8), k1, a1[i]);
       }
     }
     for (; d + 8 <= D; d += 8) {
-      const __m256 k0 = _mm256_loadu_ps(k + d);
+      const __m256 k0 = load8(k + d);
       for (int i = 0; i < NQ; ++i)
         a0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + i * D + d), k0, a0[i]);
     }
@@ -178,14 +198,20 @@ inline void dot_block(const float* q, const float* const* krows, int64_t n, int6
     for (int i = 0; i < NQ; ++i) tot[i] = 0.f;
 #endif
     for (; d < D; ++d)
-      for (int i = 0; i < NQ; ++i) tot[i] += q[i * D + d] * k[d];
-    for (int i = 0; i < NQ; ++i) s[i * kTile + j] = tot[i];
+      for (int i = 0; i < NQ; ++i) tot[i] += q[i * D + d] * to_f32(k[d]);
+    if constexpr (kQuantized<T>) {
+      const float ks = static_cast<float>(*rows.ks[j]);
+      for (int i = 0; i < NQ; ++i) s[i * kTile + j] = tot[i] * ks;
+    } else {
+      for (int i = 0; i < NQ; ++i) s[i * kTile + j] = tot[i];
+    }
   }
 }
 
-// acc[i] += sum_j p[i * kTile + j] * v_j for NQ accumulators (rows of acc, stride D), j < n.
-template <int NQ>
-inline void pv_block(const float* p, const float* const* vrows, int64_t n, int64_t D,
+// acc[i] += sum_j p[i * kTile + j] * v_j for NQ accumulators (rows of acc, stride D), j < n
+// (int8: p already carries each V row's scale, v_j are its codes).
+template <int NQ, typename T>
+inline void pv_block(const float* p, const T* const* vrows, int64_t n, int64_t D,
                      float* acc) {
   int64_t d = 0;
 #ifdef __AVX2__
@@ -198,7 +224,7 @@ inline void pv_block(const float* p, const float* const* vrows, int64_t n, int64
       o1[i] = _mm256_loadu_ps(acc + i * D + d + 8);
     }
     for (int64_t j = 0; j < n; ++j) {
-      const __m256 v0 = _mm256_loadu_ps(vrows[j] + d), v1 = _mm256_loadu_ps(vrows[j] + d + 8);
+      const __m256 v0 = load8(vrows[j] + d), v1 = load8(vrows[j] + d + 8);
       for (int i = 0; i < NQ; ++i) {
         const __m256 w = _mm256_broadcast_ss(p + i * kTile + j);
         o0[i] = _mm256_fmadd_ps(w, v0, o0[i]);
@@ -214,7 +240,7 @@ inline void pv_block(const float* p, const float* const* vrows, int64_t n, int64
     __m256 o0[NQ];
     for (int i = 0; i < NQ; ++i) o0[i] = _mm256_loadu_ps(acc + i * D + d);
     for (int64_t j = 0; j < n; ++j) {
-      const __m256 v0 = _mm256_loadu_ps(vrows[j] + d);
+      const __m256 v0 = load8(vrows[j] + d);
       for (int i = 0; i < NQ; ++i)
         o0[i] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + i * kTile + j), v0, o0[i]);
     }
@@ -223,7 +249,7 @@ inline void pv_block(const float* p, const float* const* vrows, int64_t n, int64
 #endif
   for (; d < D; ++d)
     for (int64_t j = 0; j < n; ++j)
-      for (int i = 0; i < NQ; ++i) acc[i * D + d] += p[i * kTile + j] * vrows[j][d];
+      for (int i = 0; i < NQ; ++i) acc[i * D + d] += p[i * kTile + j] * to_f32(vrows[j][d]);
 }
 
 // max(s[0..n)), n >= 1. (A plain std::max loop kept the running max on the stack.)
@@ -281,13 +307,15 @@ using Item = AttentionItem;
 
 struct Problem {
   const float* q;       // [T, H, D]
-  const float* cache;   // [2, Hkv, slots, D]
+  const void* cache;    // [2, Hkv, slots, D] of the element type the kernels run for
+  const f16_t* scales;  // [2, Hkv, slots], int8 only
   float* out;           // [T, H, D]
   const int64_t* qstart;  // [N + 1]
   const int64_t* ctx;     // [N]
   int64_t H, Hkv, G, D, slots, block_size, max_blocks;
   float scale;
   int64_t window;  // > 0: sliding window (keys a query sees, its own included); 0: none
+  int64_t key_block;  // int8: keys are stored rotated over blocks of this (kv_dtype.h)
 };
 
 // The first key position `pos` sees.
@@ -307,27 +335,39 @@ inline int64_t item_keys(const Problem& P, const Item& it) {
   return P.ctx[it.seq] - L + it.row0 + it.nrows;
 }
 
+// Where a kv head's K (kv = 0) or V (kv = 1) rows, and their scales, begin.
+template <typename T>
+inline const T* head_rows(const Problem& P, int64_t kv, int64_t head) {
+  return static_cast<const T*>(P.cache) + (kv * P.Hkv + head) * P.slots * P.D;
+}
+inline const f16_t* head_scales(const Problem& P, int64_t kv, int64_t head) {
+  return P.scales == nullptr ? nullptr : P.scales + (kv * P.Hkv + head) * P.slots;
+}
+
 // The row pointers of an item's first tile.
-template <typename index_t>
-void first_tile(const Problem& P, const index_t* tables, const Item& it, TileRows& t) {
+template <typename index_t, typename T>
+void first_tile(const Problem& P, const index_t* tables, const Item& it, TileRows<T>& t) {
   const int64_t kbeg = item_first_key(P, it);
   SlotCursor<index_t> cur(tables + it.seq * P.max_blocks, P.block_size, kbeg);
-  t.load(cur, std::min(kTile, item_keys(P, it) - kbeg), P.cache + it.kv_head * P.slots * P.D,
-         P.cache + (P.Hkv + it.kv_head) * P.slots * P.D, P.D);
+  t.load(cur, std::min(kTile, item_keys(P, it) - kbeg), head_rows<T>(P, 0, it.kv_head),
+         head_rows<T>(P, 1, it.kv_head), head_scales(P, 0, it.kv_head),
+         head_scales(P, 1, it.kv_head), P.D);
 }
 
 // One work item. `next` (if any) is the item this thread runs afterwards: its first tile
 // is prefetched during this item's last one.
-template <typename index_t>
+template <typename index_t, typename T>
 void run_item(const Problem& P, const index_t* tables, const Item& it, const Item* next,
-              float* qs, float* acc, float* s, TileRows* tiles /*[2]*/) {
+              float* qs, float* acc, float* s, TileRows<T>* tiles /*[2]*/) {
   const int64_t D = P.D, G = P.G, ng = it.ng, bs = P.block_size;
   const int64_t L = P.qstart[it.seq + 1] - P.qstart[it.seq];
   const int64_t ctx = P.ctx[it.seq];
   const int64_t M = it.nrows * ng;  // query vectors: m = r * ng + g
   const index_t* table = tables + it.seq * P.max_blocks;
-  const float* kbase = P.cache + it.kv_head * P.slots * D;
-  const float* vbase = P.cache + (P.Hkv + it.kv_head) * P.slots * D;
+  const T* kbase = head_rows<T>(P, 0, it.kv_head);
+  const T* vbase = head_rows<T>(P, 1, it.kv_head);
+  const f16_t* ksbase = head_scales(P, 0, it.kv_head);
+  const f16_t* vsbase = head_scales(P, 1, it.kv_head);
 
   // Visible keys per query vector: [lo, vis); both non-decreasing in m (rows ascend,
   // heads share a row).
@@ -343,7 +383,17 @@ void run_item(const Problem& P, const index_t* tables, const Item& it, const Ite
       run_sum[m] = 0.f;
       // Fold the softmax scale into q once instead of into every score.
       const float* src = P.q + (t * P.H + it.kv_head * G + it.g0 + g) * D;
-      for (int64_t d = 0; d < D; ++d) qs[m * D + d] = src[d] * P.scale;
+      float* qm = qs + m * D;
+      if (kQuantized<T> && P.key_block > 1) {
+        // Into the keys' rotated basis: q' = H q / b, so q' . (H k) = q . k (1 / b is a
+        // power of two: exact).
+        std::copy(src, src + D, qm);
+        fwht(qm, D, P.key_block);
+        const float sc = P.scale / static_cast<float>(P.key_block);
+        for (int64_t d = 0; d < D; ++d) qm[d] *= sc;
+      } else {
+        for (int64_t d = 0; d < D; ++d) qm[d] = src[d] * P.scale;
+      }
     }
   }
   std::fill(acc, acc + M * D, 0.f);
@@ -356,33 +406,32 @@ void run_item(const Problem& P, const index_t* tables, const Item& it, const Ite
   const int64_t kbeg = lo[0];  // == item_first_key(P, it)
   // Double-buffered tiles: the next one is loaded (and prefetched) during this one.
   SlotCursor<index_t> cursor(table, bs, kbeg);
-  tiles[0].load(cursor, std::min(kTile, kend - kbeg), kbase, vbase, D);
+  tiles[0].load(cursor, std::min(kTile, kend - kbeg), kbase, vbase, ksbase, vsbase, D);
   int cur = 0;
   for (int64_t j0 = kbeg; j0 < kend; j0 += kTile) {
     const int64_t n = std::min(kTile, kend - j0);
-    const TileRows& now = tiles[cur];
-    TileRows& ahead = tiles[1 - cur];
+    const TileRows<T>& now = tiles[cur];
+    TileRows<T>& ahead = tiles[1 - cur];
     if (j0 + kTile < kend)
-      ahead.load(cursor, std::min(kTile, kend - j0 - kTile), kbase, vbase, D);
+      ahead.load(cursor, std::min(kTile, kend - j0 - kTile), kbase, vbase, ksbase, vsbase, D);
     else if (next != nullptr)
       first_tile(P, tables, *next, ahead);
     else
       ahead.n = 0;
     cur = 1 - cur;
-    const float* const* kr = now.k;
-    const float* const* vr = now.v;
+    const T* const* vr = now.v;
     int64_t prefetched = 0;  // rows of `ahead` the first score block prefetched
 
     for_qblocks(M, n_of(j0, n), [&](int64_t b, int64_t nq, int64_t nk) {
       const float* qb = qs + b * D;
       float* sb = s + b * kTile;
-      const TileRows* pf = b == 0 ? &ahead : nullptr;
+      const TileRows<T>* pf = b == 0 ? &ahead : nullptr;
       if (b == 0) prefetched = nk;
       switch (nq) {
-        case 1: dot_block<1>(qb, kr, nk, D, sb, pf); break;
-        case 2: dot_block<2>(qb, kr, nk, D, sb, pf); break;
-        case 3: dot_block<3>(qb, kr, nk, D, sb, pf); break;
-        default: dot_block<4>(qb, kr, nk, D, sb, pf); break;
+        case 1: dot_block<1>(qb, now, nk, D, sb, pf); break;
+        case 2: dot_block<2>(qb, now, nk, D, sb, pf); break;
+        case 3: dot_block<3>(qb, now, nk, D, sb, pf); break;
+        default: dot_block<4>(qb, now, nk, D, sb, pf); break;
       }
     });
     ahead.prefetch(prefetched, kTile, D);  // rows the score loop had no key for
@@ -408,6 +457,14 @@ void run_item(const Problem& P, const index_t* tables, const Item& it, const Ite
       }
       run_sum[m] += sum;
     }
+    if constexpr (kQuantized<T>) {
+      // The V rows' scales go into the weights (after the sums above, which must not see
+      // them): M * n multiplies instead of M * n * D.
+      float vsc[kTile];
+      for (int64_t j = 0; j < n; ++j) vsc[j] = static_cast<float>(*now.vs[j]);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < n; ++j) s[m * kTile + j] *= vsc[j];
+    }
 
     for_qblocks(M, n_of(j0, n), [&](int64_t b, int64_t nq, int64_t nk) {
       const float* pb = s + b * kTile;
@@ -432,7 +489,7 @@ void run_item(const Problem& P, const index_t* tables, const Item& it, const Ite
   }
 }
 
-template <typename index_t>
+template <typename index_t, typename T>
 void run_items(const Problem& P, const index_t* tables, const std::vector<Item>& items,
                const std::vector<int64_t>& prefix, int64_t parts) {
   const int64_t nitems = static_cast<int64_t>(items.size());
@@ -446,7 +503,7 @@ void run_items(const Problem& P, const index_t* tables, const std::vector<Item>&
       acc.resize(kq);
     }
     s.resize(kMaxQ * kTile);
-    TileRows tiles[2];
+    TileRows<T> tiles[2];
     for (int64_t part = pbegin; part < pend; ++part) {
       // Items whose cost prefix starts in this part's share of the total.
       const auto lo = std::lower_bound(prefix.begin(), prefix.end() - 1, total * part / parts);
@@ -455,8 +512,8 @@ void run_items(const Problem& P, const index_t* tables, const std::vector<Item>&
       const int64_t ib = lo - prefix.begin();
       const int64_t ie = part + 1 == parts ? nitems : hi - prefix.begin();
       for (int64_t i = ib; i < ie; ++i)
-        run_item<index_t>(P, tables, items[i], i + 1 < ie ? &items[i + 1] : nullptr, qs.data(),
-                          acc.data(), s.data(), tiles);
+        run_item<index_t, T>(P, tables, items[i], i + 1 < ie ? &items[i + 1] : nullptr,
+                             qs.data(), acc.data(), s.data(), tiles);
     }
   });
 }
@@ -532,36 +589,97 @@ AttentionPlan::AttentionPlan(int64_t T, int64_t num_heads, int64_t num_kv_heads,
                                1, at::get_num_threads());
 }
 
-void AttentionPlan::run(const float* q, const float* kv_cache, float* out) const {
+void AttentionPlan::run(const float* q, const KVView& kv, float* out) const {
   if (items_.empty()) return;
-  const Problem P{q, kv_cache, out, qstart_t_.data_ptr<int64_t>(), ctx_t_.data_ptr<int64_t>(),
-                  H_, Hkv_, H_ / Hkv_, D_, slots_, block_size_, tables_t_.size(1), scale_,
-                  window_};
+  TORCH_CHECK(kv.Hkv == Hkv_ && kv.slots == slots_ && kv.D == D_,
+              "the KV cache's shape is not the one the attention plan was built for");
+  const Problem P{q, kv.data, kv.scales, out, qstart_t_.data_ptr<int64_t>(),
+                  ctx_t_.data_ptr<int64_t>(), H_, Hkv_, H_ / Hkv_, D_, slots_, block_size_,
+                  tables_t_.size(1), scale_, window_, kv.key_block};
   AT_DISPATCH_INDEX_TYPES(tables_t_.scalar_type(), "paged_attention", [&] {
-    run_items<index_t>(P, tables_t_.data_ptr<index_t>(), items_, prefix_, parts_);
+    dispatch_kv(kv.dtype, [&](auto elem) {
+      run_items<index_t, decltype(elem)>(P, tables_t_.data_ptr<index_t>(), items_, prefix_,
+                                         parts_);
+    });
   });
 }
 
-// q [T, H, D] fp32; kv_cache [2, Hkv, slots, D] fp32; block_tables [N, max_blocks]
-// int32/int64; query_start [N + 1] int64, row offsets into q (None: one row per sequence);
-// context_lens [N] int64, tokens in the cache including the query rows; window > 0: each
-// row sees only its last `window` positions (0: all). Returns [T, H, D].
+KVView kv_view(const at::Tensor& cache, const std::optional<at::Tensor>& scales) {
+  TORCH_CHECK(cache.dim() == 4 && cache.size(0) == 2 && cache.is_contiguous() &&
+                  !cache.is_cuda(),
+              "kv_cache must be a contiguous CPU [2, Hkv, slots, D] tensor");
+  KVView v;
+  switch (cache.scalar_type()) {
+    case at::kFloat: v.dtype = KVDtype::F32; break;
+    case at::kBFloat16: v.dtype = KVDtype::BF16; break;
+    case at::kHalf: v.dtype = KVDtype::F16; break;
+    case at::kChar: v.dtype = KVDtype::I8; break;
+    default:
+      TORCH_CHECK(false, "kv_cache must be float32, bfloat16, float16 or int8, got ",
+                  cache.scalar_type());
+  }
+  v.data = cache.data_ptr();
+  v.Hkv = cache.size(1);
+  v.slots = cache.size(2);
+  v.D = cache.size(3);
+  if (v.dtype == KVDtype::I8) {
+    TORCH_CHECK(scales.has_value() && scales->scalar_type() == at::kHalf &&
+                    scales->dim() == 3 && scales->size(0) == 2 && scales->size(1) == v.Hkv &&
+                    scales->size(2) == v.slots && scales->is_contiguous(),
+                "an int8 kv_cache needs kv_scales, a contiguous float16 [2, Hkv, slots] "
+                "tensor");
+    v.scales = reinterpret_cast<f16_t*>(scales->data_ptr());
+    v.key_block = key_block(v.D);
+  } else {
+    TORCH_CHECK(!scales.has_value(), "kv_scales are for an int8 kv_cache only");
+  }
+  return v;
+}
+
+void kv_store(const at::Tensor& kv_cache, const std::optional<at::Tensor>& kv_scales,
+              const at::Tensor& slot_mapping, const at::Tensor& k, const at::Tensor& v) {
+  const KVView kv = kv_view(kv_cache, kv_scales);
+  const auto slots_t = slot_mapping.to(at::kLong).contiguous();
+  const int64_t T = slots_t.numel();
+  for (const auto* x : {&k, &v})
+    TORCH_CHECK(x->scalar_type() == at::kFloat && x->is_contiguous() && x->dim() == 3 &&
+                    x->size(0) == T && x->size(1) == kv.Hkv && x->size(2) == kv.D,
+                "k and v must be contiguous float32 [T, Hkv, D] tensors, one row per slot");
+  const int64_t* slot = slots_t.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < kv.slots, "slot ", slot[t], " out of range");
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  dispatch_kv(kv.dtype, [&](auto elem) {
+    using T_ = decltype(elem);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < kv.Hkv; ++h) {
+        kv_store_row<T_>(kv, 0, h, slot[t], kp + (t * kv.Hkv + h) * kv.D);
+        kv_store_row<T_>(kv, 1, h, slot[t], vp + (t * kv.Hkv + h) * kv.D);
+      }
+  });
+}
+
+// q [T, H, D] fp32; kv_cache [2, Hkv, slots, D] fp32 / bf16 / fp16 / int8 (then with
+// kv_scales [2, Hkv, slots] fp16); block_tables [N, max_blocks] int32/int64; query_start
+// [N + 1] int64, row offsets into q (None: one row per sequence); context_lens [N] int64,
+// tokens in the cache including the query rows; window > 0: each row sees only its last
+// `window` positions (0: all). Returns [T, H, D] fp32.
 at::Tensor paged_attention_varlen(const at::Tensor& q, const at::Tensor& kv_cache,
                                   const at::Tensor& block_tables,
                                   const std::optional<at::Tensor>& query_start,
                                   const at::Tensor& context_lens, int64_t block_size,
-                                  double scale, int64_t window) {
+                                  double scale, int64_t window,
+                                  const std::optional<at::Tensor>& kv_scales) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "q must be a contiguous float32 [T, H, D] tensor");
-  TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.size(0) == 2 &&
-                  kv_cache.scalar_type() == at::kFloat && kv_cache.is_contiguous(),
-              "kv_cache must be a contiguous float32 [2, Hkv, slots, D] tensor");
-  TORCH_CHECK(!q.is_cuda() && !kv_cache.is_cuda(), "CPU tensors only");
-  TORCH_CHECK(kv_cache.size(3) == q.size(2), "head_dim of q and kv_cache differ");
-  const AttentionPlan plan(q.size(0), q.size(1), kv_cache.size(1), q.size(2), kv_cache.size(2),
-                           block_tables, query_start, context_lens, block_size, scale, window);
+  TORCH_CHECK(!q.is_cuda(), "CPU tensors only");
+  const KVView kv = kv_view(kv_cache, kv_scales);
+  TORCH_CHECK(kv.D == q.size(2), "head_dim of q and kv_cache differ");
+  const AttentionPlan plan(q.size(0), q.size(1), kv.Hkv, q.size(2), kv.slots, block_tables,
+                           query_start, context_lens, block_size, scale, window);
   auto out = at::empty_like(q);
-  plan.run(q.data_ptr<float>(), kv_cache.data_ptr<float>(), out.data_ptr<float>());
+  plan.run(q.data_ptr<float>(), kv, out.data_ptr<float>());
   return out;
 }
 
