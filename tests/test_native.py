@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from conftest import require_native_kernels, write_tiny_model
 from kvloop import LLM, SamplingParams
 from kvloop.batch import SchedulerOutput
-from kvloop.dispatch import BF16_MIN_ROWS
+from kvloop.dispatch import BF16_MIN_ROWS, bf16_gemm_fast
 from kvloop.engine.outputs import RequestOutput
 from kvloop.kernels.linear import (
     F32,
@@ -43,7 +43,6 @@ from kvloop.kernels.linear import (
     quantize_acts_reference,
     unpack_q4,
 )
-from kvloop.models.native import bf16_gemm_fast
 from kvloop.runner import NATIVE_MAX_ROWS, ModelRunner
 
 GROUP = 32

@@ -151,6 +151,8 @@ def load_model(checkpoint: Checkpoint, pack: bool = True, quantization: str = "n
     cache = layout_cache(checkpoint, quantization)
     cached = cache.load() if cache is not None else None
     taken: set[str] = set()
+    # One lazy view of the stored blocks (each tensor decoded when looked up).
+    blocks = checkpoint.block_weights() if quantization != "none" else {}
     if cached is not None:
         try:
             taken = use_cached_layers(model, cached, checkpoint.tensor_names)
@@ -159,11 +161,11 @@ def load_model(checkpoint: Checkpoint, pack: bool = True, quantization: str = "n
                            cache.path if cache else "", e)
             cached = None
     if cached is None and quantization == "gguf":
-        taken = use_stored_blocks(model, checkpoint.block_weights())
+        taken = use_stored_blocks(model, blocks)
     elif cached is None and quantization == "int4":
         taken = use_stored_int4(model, checkpoint.int4_weights())
     if quantization != "none":
-        taken |= use_stored_embedding(model, checkpoint.block_weights())
+        taken |= use_stored_embedding(model, blocks)
     model.load_weights(checkpoint.weights(taken), preloaded=taken)
     if cached is None and quantization in ("int8", "int4"):  # the rest, from fp32
         quantize_model(model, quantization)

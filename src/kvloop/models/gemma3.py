@@ -34,7 +34,6 @@ from kvloop.models.attention import AttentionMetadata, layer_metadata
 from kvloop.models.base import Architecture, ConfigReader, Dim, config_dims
 from kvloop.models.linear import Linear
 from kvloop.models.rope import RotaryEmbedding
-from kvloop.quant import BlockLinear
 from kvloop.quant.kv import PagedKV
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -152,9 +151,7 @@ class Gemma3ForCausalLM(nn.Module):
         return self.norm(x)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
-        if self.embed_stored is not None:
-            return cast(BlockLinear, self.embed_stored).rows(input_ids)
-        return F.embedding(input_ids, self.embed_tokens)
+        return llama.embed_rows(self.embed_stored, self.embed_tokens, input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
         logits = self.lm_head(hidden)

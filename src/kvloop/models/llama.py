@@ -27,6 +27,15 @@ from kvloop.quant import BlockLinear
 from kvloop.quant.kv import PagedKV
 
 
+def embed_rows(stored: nn.Module | None, table: torch.Tensor,
+               input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden] fp32
+    """Embedding rows: decoded from the table's stored blocks (kvloop.quant.BlockLinear)
+    where the loader kept them so, else looked up in the fp32 table."""
+    if stored is not None:
+        return cast(BlockLinear, stored).rows(input_ids)
+    return F.embedding(input_ids, table)
+
+
 def _param(*shape: int) -> nn.Parameter:
     # Uninitialised: every parameter is overwritten by load_weights.
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
@@ -158,9 +167,7 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, hidden]
-        if self.embed_stored is not None:
-            return cast(BlockLinear, self.embed_stored).rows(input_ids)
-        return F.embedding(input_ids, self.embed_tokens)
+        return embed_rows(self.embed_stored, self.embed_tokens, input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, V]
         return self.lm_head(hidden)

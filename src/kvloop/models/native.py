@@ -33,10 +33,6 @@ def native_linear_of(module: object, float_acts: bool = False) -> Any:
                          float_acts=float_acts and kind in (Q8, Q8B))
 
 
-def bf16_gemm_fast() -> bool:  # kept here for callers; the policy lives in kvloop.dispatch
-    return dispatch.bf16_gemm_fast()
-
-
 def native_supported(model: CausalLM) -> bool:
     """Whether the C++ decoder computes this model (it hard-codes the Llama layer: pre-norms
     only, SiLU, no QK-norm, full attention, no softcapping). An architecture must say it is

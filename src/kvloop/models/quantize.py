@@ -34,6 +34,9 @@ _SOURCES = {
 }
 
 
+EMBEDDING = "model.embed_tokens.weight"
+
+
 def _decoder_linears(model: CausalLM, source: Collection[str]
                      ) -> Iterator[tuple[str, nn.Module, str, list[str]]]:
     """(path, owner module, attribute, checkpoint tensor names) of every linear layer of
@@ -46,12 +49,6 @@ def _decoder_linears(model: CausalLM, source: Collection[str]
             names = [whole] if whole in source else [f"model.layers.{i}.{p}.weight"
                                                      for p in parts]
             yield f"layers.{i}.{fused}", cast(nn.Module, getattr(layer, owner_name)), attr, names
-
-
-def _layers(model: CausalLM, source: Collection[str]
-            ) -> Iterator[tuple[nn.Module, str, list[str]]]:
-    for _, owner, attr, names in _decoder_linears(model, source):
-        yield owner, attr, names
 
 
 def quantize_model(model: CausalLM, mode: str,
@@ -74,7 +71,8 @@ def quantize_model(model: CausalLM, mode: str,
         return
     if mode == "int4" and int4_source:
         use_stored_int4(model, int4_source)
-    todo = [(o, a) for o, a, _ in _layers(model, ()) if isinstance(getattr(o, a), Linear)]
+    todo = [(o, a) for _, o, a, _ in _decoder_linears(model, ())
+            if isinstance(getattr(o, a), Linear)]
     # A first load that re-quantizes shows its progress (after a second: quick ones don't);
     # later loads read the result from the layout cache.
     for owner, attr in tqdm(todo, desc=f"quantizing to {mode}", unit="layer", delay=1.0,
@@ -94,7 +92,7 @@ def use_stored_int4(model: CausalLM, source: Mapping[str, Int4Weights]) -> set[s
     an Int4Linear over those codes (exactly the stored weights). Returns the tensor names
     it took: the loader need not read them as fp32."""
     taken: set[str] = set()
-    for owner, attr, names in _layers(model, source):
+    for _, owner, attr, names in _decoder_linears(model, source):
         lin = getattr(owner, attr)
         if isinstance(lin, Linear) and all(n in source for n in names):
             setattr(owner, attr, Int4Linear(Int4Weights.cat([source[n] for n in names]),
@@ -140,17 +138,14 @@ def use_stored_blocks(model: CausalLM, source: Mapping[str, GroupWeights]) -> se
             new.native = kernels.native_linear(kind, weight, k, scales, bias,
                                                float_acts=is_head and kind == Q8B)
         setattr(owner, attr, new)
-        taken.update(n for n in names if n != "model.embed_tokens.weight")
+        taken.update(n for n in names if n != EMBEDDING)
 
-    for owner, attr, names in _layers(model, source):
+    for _, owner, attr, names in _decoder_linears(model, source):
         swap(owner, attr, names)
     head = ("lm_head.weight" if "lm_head.weight" in source or not model.config.tie_word_embeddings
-            else "model.embed_tokens.weight")
+            else EMBEDDING)
     swap(cast(nn.Module, model), "lm_head", [head], is_head=True)
     return taken
-
-
-EMBEDDING = "model.embed_tokens.weight"
 
 
 def use_stored_embedding(model: CausalLM, source: Mapping[str, GroupWeights]) -> set[str]:
