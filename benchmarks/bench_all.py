@@ -45,6 +45,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+import kvloop  # noqa: F401  (no torch: first, so that KVLOOP_ISA caps the libraries torch loads)
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 # Only light imports at module level: the llama.cpp worker must not load torch, or its peak
@@ -191,7 +193,10 @@ class KvloopEngine:
     def info(self) -> dict[str, Any]:
         # Layers of different KV cache groups share tensors (kv_cache.py): count each once.
         kv = {c.data.data_ptr(): c for c in self.llm.engine.runner.kv_caches or []}
-        return {"kv_pool_mib": sum(c.nbytes for c in kv.values()) / 2**20}
+        stats = self.llm.engine.kv.stats()
+        return {"kv_pool_mib": sum(c.nbytes for c in kv.values()) / 2**20,
+                "kv_dtype": stats.kv_dtype,
+                "kv_resident_mib": stats.num_resident_blocks * stats.bytes_per_block / 2**20}
 
 
 class TransformersEngine:
@@ -306,24 +311,34 @@ def run_worker(name: str, work: Workload) -> dict[str, Any]:
 
 # -- parent: spawn workers, build the table --------------------------------------------------
 
-def llamacpp_installed() -> str | None:
-    """llama-cpp-python's version, or None when it is not importable."""
+def llamacpp_installed(path: Path | None = None) -> str | None:
+    """llama-cpp-python's version (the one installed under `path`, if given), or None when
+    it is not importable."""
+    from importlib.metadata import PackageNotFoundError, distributions, version
+
+    if path is not None:
+        found = [d.version for d in distributions(path=[str(path)])
+                 if d.metadata["Name"] == "llama_cpp_python"
+                 or d.metadata["Name"] == "llama-cpp-python"]
+        return f"{found[0]} from {path}" if found else None
     if importlib.util.find_spec("llama_cpp") is None:
         return None
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("llama-cpp-python")
     except PackageNotFoundError:
         return "?"
 
 
-def spawn(name: str, workload_path: Path) -> dict[str, Any]:
+def spawn(name: str, workload_path: Path, llama_cpp_path: Path | None = None) -> dict[str, Any]:
     """Run one engine's worker; its result, or {"error": ...} if it failed."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--engine", name, "--json",
            "--workload", str(workload_path)]
     print(f"[bench_all] {name} ...", file=sys.stderr, flush=True)
     env = {**os.environ, "TQDM_DISABLE": "1"}  # transformers' GGUF conversion bar
+    if name == "llama.cpp" and llama_cpp_path is not None:
+        # A llama-cpp-python built for another ISA (pip install --target DIR), first on the path.
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(llama_cpp_path), *filter(None, [env.get("PYTHONPATH")])])
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False, env=env)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(JSON_MARK):
@@ -439,8 +454,8 @@ def render(results: dict[str, dict[str, Any]], work: Workload, bandwidth: float,
         p = ", ".join(f"{x:.1f}" for x in r["prefill_runs"])
         line = f"- {ENGINES[n]}: decode runs {d}; prefill runs {p}; load {r['load_s']:.1f} s"
         if "kv_pool_mib" in info:
-            line += (f"; KV pool {info['kv_pool_mib']:.0f} MiB fp32 reserved, resident as "
-                     "blocks are used")
+            line += (f"; KV pool {info['kv_pool_mib']:.0f} MiB {info['kv_dtype']} reserved, "
+                     f"{info['kv_resident_mib']:.0f} MiB of it resident after the run")
         runs = [(k, x) for k, x in r.get("concurrent_info", {}).items() if x]
         if runs:
             line += "; engine steps / preemptions at " + ", ".join(
@@ -450,6 +465,12 @@ def render(results: dict[str, dict[str, Any]], work: Workload, bandwidth: float,
         if "error" in r:
             extra.append(f"- {ENGINES[n]}: {r['error']}")
     return "\n".join([*notes, "", *lines, "", *extra])
+
+
+def kvloop_kernels_available() -> bool:
+    from kvloop import kernels
+
+    return bool(kernels.available())
 
 
 def main() -> None:
@@ -469,6 +490,10 @@ def main() -> None:
                     help="tiny sizes for a smoke test (16 decode tokens, 64-token prefill, "
                          "2 concurrent requests, 8 new tokens, 1 run)")
     ap.add_argument("--write", type=Path, default=None, help="update this BENCHMARKS.md")
+    ap.add_argument("--llama-cpp-path", type=Path, default=None,
+                    help="a llama-cpp-python installed with `pip install --target DIR` (e.g. "
+                         "built for AVX2 only, to sit beside KVLOOP_ISA=avx2), used instead "
+                         "of the environment's")
     ap.add_argument("--engine", choices=list(ENGINES), help=argparse.SUPPRESS)  # worker mode
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--workload", type=Path, help=argparse.SUPPRESS)
@@ -500,7 +525,10 @@ def main() -> None:
     bandwidth, flops = measure_bandwidth(), measure_flops()
     print(f"[bench_all] bandwidth {bandwidth / 1e9:.1f} GB/s, {flops / 1e9:.1f} GFLOP/s",
           file=sys.stderr, flush=True)
-    llamacpp_version = llamacpp_installed()
+    from common import isa_line
+
+    print(f"[bench_all] {isa_line()}", file=sys.stderr, flush=True)
+    llamacpp_version = llamacpp_installed(args.llama_cpp_path)
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "workload.json"
@@ -509,13 +537,19 @@ def main() -> None:
             if name == "llama.cpp" and llamacpp_version is None:
                 results[name] = {"engine": name, "error": "not installed"}
                 continue
-            results[name] = spawn(name, path)
+            results[name] = spawn(name, path, args.llama_cpp_path)
     command = shlex.join(["python", os.path.relpath(Path(__file__).resolve(), HERE.parent),
                           *sys.argv[1:]])
     body = render(results, work, bandwidth, flops, command, time.time() - t0, llamacpp_version)
     from common import publish
 
-    section = "bench-all" if model == default_model_path() else f"bench-all-{model.stem}"
+    # One table per kernel ISA build (KVLOOP_ISA=avx2 on an AVX-512 machine stands for an
+    # AVX2-only one), per model.
+    from kvloop.kernels import build
+
+    isa = build.kernel_isa() if kvloop_kernels_available() else "pytorch"
+    section = (f"bench-all-{isa}" if model == default_model_path()
+               else f"bench-all-{model.stem}-{isa}")
     publish(body, args.write, section)
 
 

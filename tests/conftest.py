@@ -66,10 +66,11 @@ def hf_default(default_gguf: Path):
 @pytest.fixture(scope="session")
 def kv_default():
     """The default model in fp32 (quantization "none": what transformers computes), not its
-    stored Q4_1 blocks, which LLM() runs by default."""
+    stored Q4_1 blocks, which LLM() runs by default; its KV cache fp32 too (the default is
+    fp16), so that nothing but the fp32 arithmetic stands between it and the oracle."""
     from kvloop import LLM
 
-    return LLM(quantization="none")
+    return LLM(quantization="none", kv_cache_dtype="fp32")
 
 
 def _train_tokenizer(path: Path, vocab_size: int) -> None:

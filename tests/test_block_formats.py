@@ -348,7 +348,7 @@ def test_stored_layers_are_built_before_loading_and_never_dequantized(
     applied after a full fp32 load computes."""
     from kvloop.engine.llm_engine import load_model
     from kvloop.models import AttentionMetadata, PrefillSegment, create_model
-    from kvloop.models.quantize import quantize_model
+    from kvloop.models.quantize import quantize_model, use_stored_embedding
 
     ckpt = load_checkpoint(default_gguf)
     stream = ckpt.weights
@@ -363,13 +363,14 @@ def test_stored_layers_are_built_before_loading_and_never_dequantized(
     model = load_model(ckpt, pack=False, quantization=mode)
     linears = [n for n in asked if n.endswith("_proj.weight")]
     assert not linears, linears[:3]  # every decoder layer came from its stored codes
-    # The lookup table is its stored blocks too (the tied head's own under gguf).
+    # The lookup table is its stored blocks too, and the tied head is that table (held once).
     assert "model.embed_tokens.weight" not in asked and model.embed_stored is not None
     assert model.embed_tokens.numel() == 0
-    assert (model.embed_stored is model.lm_head) == (mode == "gguf")
+    assert model.embed_stored is model.lm_head
 
     ref = create_model(ckpt.config)
-    ref.load_weights(stream())
+    taken = use_stored_embedding(ref, ckpt.block_weights())  # the head, as in the load
+    ref.load_weights(stream(taken), preloaded=taken)
     quantize_model(ref, mode, ckpt.int4_weights() if mode == "int4" else None,
                    ckpt.block_weights() if mode == "gguf" else None)
     ids = torch.tensor([1, 504, 3458, 314, 253, 2205, 30])

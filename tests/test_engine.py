@@ -9,7 +9,8 @@ from kvloop import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir) -> LLM:
-    return LLM(str(tiny_model_dir), kv_cache_memory="64MiB")
+    # fp32 KV: compared with the no-cache run, which keeps everything in fp32.
+    return LLM(str(tiny_model_dir), kv_cache_memory="64MiB", kv_cache_dtype="fp32")
 
 
 @pytest.fixture(scope="module")

@@ -85,25 +85,77 @@ def test_pool_acquire_revives_a_free_block() -> None:
     assert pool.num_free == 0
 
 
+def _cached_blocks(pool: BlockPool, n: int) -> list[Block]:
+    """n blocks allocated and cached (each its own hash), still held."""
+    blocks = [pool.allocate() for _ in range(n)]
+    for b in blocks:
+        pool.cache(b, 100 + b.block_id, (b.block_id,), None)
+    return blocks
+
+
 def test_pool_evicts_least_recently_freed_first() -> None:
-    """Freed blocks are reused in the order they were freed."""
+    """Freed cached blocks are reused in the order they were freed."""
     pool = BlockPool(3)
-    blocks = [pool.allocate() for _ in range(3)]
+    blocks = _cached_blocks(pool, 3)
     assert [b.block_id for b in blocks] == [0, 1, 2]
     for i in (1, 0, 2):
         pool.release(blocks[i])
     assert [pool.allocate().block_id for _ in range(3)] == [1, 0, 2]
+    assert pool.lookup(101, (1,), None) is None  # evicted: no longer findable
 
 
 def test_pool_revived_then_released_block_goes_to_the_back() -> None:
     """A block revived from the free queue and freed again is the most recently freed."""
     pool = BlockPool(3)
-    blocks = [pool.allocate() for _ in range(3)]
+    blocks = _cached_blocks(pool, 3)
     for b in blocks:
         pool.release(b)
     pool.acquire(blocks[0])
     pool.release(blocks[0])
     assert [pool.allocate().block_id for _ in range(3)] == [1, 2, 0]
+
+
+def test_pool_reuses_uncached_blocks_first() -> None:
+    """A freed block holding nothing findable is taken before fresh and cached ones (its
+    memory is resident, and no prefix hit is lost)."""
+    pool = BlockPool(4)
+    cached, plain = _cached_blocks(pool, 1)[0], pool.allocate()
+    pool.release(cached)
+    pool.release(plain)
+    assert pool.num_resident == 2
+    assert pool.allocate() is plain
+    assert pool.allocate().block_id == 2  # then a fresh one: the cached block is kept
+    assert pool.lookup(100, (0,), None) is cached and pool.num_resident == 3
+
+
+def test_pool_cache_reserve_bounds_the_resident_set() -> None:
+    """With more freed cached blocks than the reserve, the least recently freed one is
+    reused instead of a fresh block: resident blocks stay at what was held at once plus
+    the reserve, however many distinct blocks pass through. Without a reserve (None)
+    fresh blocks go first until the pool is all resident."""
+    # Reserve 2: before each allocation, the cached free blocks are cut to fewer than 2,
+    # so 3 blocks are ever resident (at most held-at-once + reserve = 4).
+    for reserve, resident in ((2, 3), (None, 16)):
+        pool = BlockPool(16, cache_reserve=reserve)
+        for round_ in range(8):  # 8 "requests" of 2 blocks each, all cached when freed
+            held = [pool.allocate(), pool.allocate()]
+            for i, b in enumerate(held):
+                pool.cache(b, hash((round_, i)), (round_, i), None)
+            for b in held:
+                pool.release(b)
+        assert pool.num_resident == resident, reserve
+        assert pool.num_free == 16
+    # With the reserve, the latest freed blocks are still findable: the reserve's worth.
+    assert pool.lookup(hash((7, 1)), (7, 1), None) is not None
+
+
+def test_pool_stats_report_resident_blocks() -> None:
+    mgr = KVCacheManager(num_blocks=8, block_size=4)
+    req = Request("a", list(range(9)), SamplingParams(max_tokens=1))
+    mgr.allocate(req, 9)
+    assert mgr.stats().num_resident_blocks == 3
+    mgr.free("a")
+    assert mgr.stats().num_resident_blocks == 3 and mgr.stats().num_free_blocks == 8
 
 
 def test_pool_double_release_asserts() -> None:

@@ -446,7 +446,7 @@ def test_fixed_pool_holds_more_tokens(tiny_model_dir: Path, dtype: str) -> None:
     against 64; 3.9x at the default model's 64), and the bytes it reports are the bytes
     the runner allocated."""
     memory = 8 * 2**20
-    base = LLM(tiny_model_dir, kv_cache_memory=memory)
+    base = LLM(tiny_model_dir, kv_cache_memory=memory, kv_cache_dtype="fp32")
     llm = LLM(tiny_model_dir, kv_cache_memory=memory, kv_cache_dtype=dtype)
     fp32, st = base.engine.kv.stats(), llm.engine.kv.stats()
     assert st.kv_dtype == dtype and fp32.kv_dtype == "fp32"

@@ -54,7 +54,8 @@ def test_lm_eval_local_completions_matches_its_hf_model(tiny_model_dir, tmp_path
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     logging.getLogger("lm_eval").setLevel(logging.WARNING)
     tasks = TaskManager(include_path=str(write_task(tmp_path)))
-    engine = LLMEngine(str(tiny_model_dir), EngineConfig(kv_cache_memory="64MiB"))
+    engine = LLMEngine(str(tiny_model_dir), EngineConfig(kv_cache_memory="64MiB",
+                                                                kv_cache_dtype="fp32"))
     with BackgroundServer(create_app(engine, ServerSettings(model_name="tiny"))) as server:
         ours = simple_evaluate(
             model="local-completions",

@@ -130,7 +130,7 @@ def test_tiny_hf_model_greedy_matches_transformers(family, tiny_model_dir, tmp_p
 
     path = tiny_model_dir if family == "llama" else TINY_FAMILIES[family](tmp_path / family)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(str(path), kv_cache_memory="64MiB")
+    llm = LLM(str(path), kv_cache_memory="64MiB", kv_cache_dtype="fp32")  # the oracle's
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(2, 320, (n,), generator=g).tolist() for n in (1, 5, 17, 40, 130)]
     check_model(llm, hf_model, prompts, 48)

@@ -541,7 +541,7 @@ def test_native_decode_matches_pytorch_tiny(tiny_dir: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     # No prefix caching: the reference run recomputes everything rather than reusing the
     # first run's cache.
-    llm = LLM(tiny_dir, quantization="none", enable_prefix_caching=False)
+    llm = LLM(tiny_dir, quantization="none", enable_prefix_caching=False, kv_cache_dtype="fp32")
     runner = llm.engine.runner
     assert runner.decoder is not None, "the native decoder was not built"
     assert runner.block_size == 16
@@ -573,7 +573,8 @@ def test_native_steps_large_batches_match_pytorch(tiny_model_dir: Path, quantiza
     # (steps of >= BF16_MIN_ROWS rows, where quantized layers take their bf16 path on CPUs
     # with AVX512-BF16), fp32 with 64 (the engine's most; prefill steps of more than 64
     # tokens run oneDNN's fp32 GEMM). The workspace grows and shrinks with the batches.
-    llm = LLM(tiny_model_dir, quantization=quantization, enable_prefix_caching=False)
+    llm = LLM(tiny_model_dir, quantization=quantization, enable_prefix_caching=False,
+              kv_cache_dtype="fp32")
     runner = llm.engine.runner
     assert runner.decoder is not None and runner.native_prefill
     lens = [*(PROMPT_LENS * 12)[: count - 2], 3, 30]

@@ -40,7 +40,7 @@ def check(out, prompt: list[int], ref: torch.Tensor, top: int) -> None:
 
 @pytest.mark.parametrize("budget", [2048, 5])  # whole prompts, and chunks of 5 tokens
 def test_prompt_logprobs_equal_transformers(tiny_model_dir, reference, budget):
-    llm = LLM(tiny_model_dir, kv_cache_memory="16MiB", max_num_batched_tokens=budget)
+    llm = LLM(tiny_model_dir, kv_cache_memory="16MiB", kv_cache_dtype="fp32", max_num_batched_tokens=budget)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=0, prompt_logprobs=3))
     for out, prompt, ref in zip(outs, PROMPTS, reference, strict=True):
         assert out.finished and out.outputs[0].token_ids == []
@@ -52,7 +52,7 @@ def test_prompt_logprobs_equal_transformers(tiny_model_dir, reference, budget):
 def test_prompt_logprobs_beside_a_completion_and_a_cached_prefix(tiny_model_dir, reference):
     """A prompt whose head is in the prefix cache is still scored from its own forward,
     and generation goes on as usual after it."""
-    llm = LLM(tiny_model_dir, kv_cache_memory="16MiB", block_size=4)
+    llm = LLM(tiny_model_dir, kv_cache_memory="16MiB", kv_cache_dtype="fp32", block_size=4)
     plain = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=6))[0]
     out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=6,
                                                     prompt_logprobs=0))[0]

@@ -245,7 +245,7 @@ def test_4000_token_sequence_holds_the_window_and_matches_transformers(
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(2, 320, (4000,), generator=g).tolist()
     want, logits = hf_greedy(hf, prompt, 6)
-    llm = LLM(d, kv_cache_memory=KV, block_size=16, max_num_batched_tokens=512)
+    llm = LLM(d, kv_cache_dtype="fp32", kv_cache_memory=KV, block_size=16, max_num_batched_tokens=512)
     engine = llm.engine
     assert [grp.window for grp in engine.kv_groups] == [None] + [512] * 5
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -286,13 +286,13 @@ def test_mixed_batch_matches_transformers_and_the_all_full_cache(
     d, hf = gemma
     prompts = prompts_of((3, 15, 16, 17, 40, 130), 4)
     refs = [hf_greedy(hf, ids, 30) for ids in prompts]
-    llm = LLM(d, kv_cache_memory=KV, max_num_batched_tokens=24, use_kernels=use_kernels)
+    llm = LLM(d, kv_cache_dtype="fp32", kv_cache_memory=KV, max_num_batched_tokens=24, use_kernels=use_kernels)
     assert llm.engine.runner.use_kernels == (use_kernels and kernels.available())
     got = greedy(llm, prompts, 30)
     for ours, (want, logits) in zip(got, refs, strict=True):
         assert compare_greedy(ours, want, logits) == len(want)
     one_group(monkeypatch)
-    full = LLM(d, kv_cache_memory=KV, max_num_batched_tokens=24, use_kernels=use_kernels)
+    full = LLM(d, kv_cache_dtype="fp32", kv_cache_memory=KV, max_num_batched_tokens=24, use_kernels=use_kernels)
     assert len(full.engine.kv_groups) == 1
     assert greedy(full, prompts, 30) == got
 
@@ -304,7 +304,7 @@ def test_prefix_cache_hits_with_sliding_groups(gemma: tuple[Path, Any]) -> None:
     head = prompts_of((80,), 5)[0]
     prompts = [head + tail for tail in prompts_of((5, 21), 6)]
     refs = [hf_greedy(hf, ids, 20) for ids in prompts]
-    llm = LLM(d, kv_cache_memory=KV, max_num_batched_tokens=32, enable_prefix_caching=True)
+    llm = LLM(d, kv_cache_dtype="fp32", kv_cache_memory=KV, max_num_batched_tokens=32, enable_prefix_caching=True)
     for _ in range(2):
         for ours, (want, logits) in zip(greedy(llm, prompts, 20), refs, strict=True):
             assert compare_greedy(ours, want, logits) == len(want)
@@ -320,7 +320,7 @@ def test_preempted_long_sequences_recompute_to_the_same_tokens(gemma: tuple[Path
     d, hf = gemma
     prompts = prompts_of((300, 280, 320, 300), 7)
     refs = [hf_greedy(hf, ids, 40) for ids in prompts]
-    llm = LLM(d, kv_cache_memory=96 * 8192, max_num_batched_tokens=64)
+    llm = LLM(d, kv_cache_dtype="fp32", kv_cache_memory=96 * 8192, max_num_batched_tokens=64)
     assert llm.engine.kv.pool.num_blocks == 96
     got = greedy(llm, prompts, 40)
     assert llm.engine.scheduler.num_preemptions > 0
@@ -336,9 +336,9 @@ def test_beam_search_forks_per_group(gemma: tuple[Path, Any],
     d, _ = gemma
     prompts = prompts_of((37,), 8)
     params = SamplingParams(num_beams=3, max_tokens=24, num_return_sequences=3)
-    got = LLM(d, kv_cache_memory=KV).generate(prompts, params)[0].outputs
+    got = LLM(d, kv_cache_dtype="fp32", kv_cache_memory=KV).generate(prompts, params)[0].outputs
     one_group(monkeypatch)
-    want = LLM(d, kv_cache_memory=KV).generate(prompts, params)[0].outputs
+    want = LLM(d, kv_cache_dtype="fp32", kv_cache_memory=KV).generate(prompts, params)[0].outputs
     assert [c.token_ids for c in got] == [c.token_ids for c in want]
     assert [c.score for c in got] == pytest.approx([c.score for c in want], abs=1e-4)
 
@@ -349,7 +349,7 @@ def test_speculative_drafts_truncate_per_group(gemma: tuple[Path, Any]) -> None:
     d, hf = gemma
     prompt = (prompts_of((12,), 9)[0] * 6)[:70]
     want, logits = hf_greedy(hf, prompt, 40)
-    llm = LLM(d, kv_cache_memory=KV, speculative="ngram", ngram_min=1, ngram_max=3)
+    llm = LLM(d, kv_cache_dtype="fp32", kv_cache_memory=KV, speculative="ngram", ngram_min=1, ngram_max=3)
     got = greedy(llm, [prompt], 40)[0]
     assert compare_greedy(got, want, logits) == len(want)
     assert llm.engine.scheduler.num_draft_tokens > 0
@@ -359,7 +359,7 @@ def test_speculative_drafts_truncate_per_group(gemma: tuple[Path, Any]) -> None:
 def test_llama_is_one_group(tiny_model_dir: Path) -> None:
     """No sliding layers: one group of every layer, block bytes over all layers, the pool
     sized as before."""
-    llm = LLM(tiny_model_dir, kv_cache_memory=36 * 16 * 512)
+    llm = LLM(tiny_model_dir, kv_cache_memory=36 * 16 * 512, kv_cache_dtype="fp32")
     engine = llm.engine
     assert len(engine.kv_groups) == 1 and engine.kv.num_groups == 1
     assert engine.kv.pool.num_blocks == 36
@@ -405,7 +405,7 @@ def test_qwen_with_sliding_upper_layers_matches_transformers(tmp_path: Path) -> 
     prompts = [p + t for p in prompts_of((30,), 10) for t in prompts_of((5, 11), 11)]
     hf = hf_model(d)
     refs = [hf_greedy(hf, ids, 20) for ids in prompts]
-    llm = LLM(d, kv_cache_memory=KV, block_size=4, max_num_batched_tokens=12)
+    llm = LLM(d, kv_cache_dtype="fp32", kv_cache_memory=KV, block_size=4, max_num_batched_tokens=12)
     assert [g.window for g in llm.engine.kv_groups] == [None, 8, 8]
     for _ in range(2):
         for ours, (want, logits) in zip(greedy(llm, prompts, 20), refs, strict=True):

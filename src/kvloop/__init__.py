@@ -1,10 +1,28 @@
 """kvloop: an LLM inference engine in Python."""
 
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 from kvloop.config import EngineConfig, ModelConfig
 from kvloop.errors import InvalidParamsError, KvloopError, ModelLoadError, PromptTooLongError
-from kvloop.params import SamplingParams
+from kvloop.params import SamplingParams  # none loads torch
+
+# KVLOOP_ISA=avx2 (or scalar) stands for a CPU without AVX-512: the native kernels are
+# built for it (kvloop.kernels.build), and so that an AVX-512 machine measures and tests
+# what an AVX2-only one runs, the libraries under torch are held to it too: ATen's
+# vectorized ops, oneDNN's GEMMs (its bf16 path among them) and MKL's. Each reads its
+# variable once, when torch loads, so this must run first; a variable already set wins.
+_LIBRARY_ISA = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "scalar": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
+               "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+}
+if os.environ.get("KVLOOP_ISA") in _LIBRARY_ISA and "torch" not in sys.modules:
+    for _name, _value in _LIBRARY_ISA[os.environ["KVLOOP_ISA"]].items():
+        os.environ.setdefault(_name, _value)
+
 
 if TYPE_CHECKING:
     from kvloop.engine.llm import LLM

@@ -147,10 +147,18 @@ class EngineConfig:
     use_cache: bool = True
     block_size: int = 16
     kv_cache_memory: int | str = 2 * 2**30  # bytes (or "2GiB") for all K and V blocks
-    # How K and V are stored: "fp32" (the reference), "bf16" / "fp16" (half the bytes, so
-    # the same kv_cache_memory holds twice the tokens), "int8" (codes with one fp16 scale
-    # per token per head: ~4x). Attention always computes in fp32 over what is stored.
-    kv_cache_dtype: str = "fp32"
+    # How K and V are stored: "fp16" (the default, as llama.cpp's f16 cache: half the
+    # bytes of fp32, so the same kv_cache_memory holds twice the tokens; 11 bits of
+    # mantissa, range +-65504, far above any K or V of the models kvloop runs), "bf16"
+    # (fp32's range, 8 bits of mantissa), "fp32" (the reference: what exactness against an
+    # fp32 oracle needs), "int8" (codes with one fp16 scale per token per head: ~4x).
+    # Attention always computes in fp32 over what is stored.
+    kv_cache_dtype: str = "fp16"
+    # Of kv_cache_memory, how much blocks no request holds may keep for prefix-cache hits
+    # before the pool reuses them rather than touch memory it has not used yet (the pool
+    # is committed as blocks are first written: kv_cache.BlockPool). The whole pool still
+    # serves running requests, and caches whatever is free once all of it is in use.
+    prefix_cache_memory: int | str = 64 * 2**20
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
@@ -235,6 +243,10 @@ class EngineConfig:
         if size < 1:
             raise _bad("kv_cache_memory", self.kv_cache_memory, "at least 1 byte")
         object.__setattr__(self, "kv_cache_memory", size)  # frozen: set once, here
+        reserve = parse_size(self.prefix_cache_memory, param="prefix_cache_memory")
+        if reserve < 0:
+            raise _bad("prefix_cache_memory", self.prefix_cache_memory, "0 bytes or more")
+        object.__setattr__(self, "prefix_cache_memory", reserve)
 
     def check_kv_capacity(self, bytes_per_block: int, model_context: int) -> int:
         """How many KV blocks kv_cache_memory holds; InvalidParamsError if that is too few.

@@ -10,6 +10,7 @@ avx2 build behaves as an AVX2-only one does.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -21,12 +22,27 @@ NATIVE_MAX_ROWS = 64
 # 768 and 1024 and lost at 2048 (fp32 prefill here: 622 vs 549 tok/s at 512, 414 vs 476
 # at 2048), so a step with a longer chunk stays on the modules.
 NATIVE_MAX_PREFILL = 1024
-# Quantized layers, batches from this many rows: weights decoded to bf16 and oneDNN's bf16
-# GEMM (~2x the int8 kernels where AVX512-BF16 dot products exist: compute-bound steps).
-BF16_MIN_ROWS = 16
-# fp32 layers (and quantized ones without fast bf16): up to 64 rows the native kernels
-# (measured faster than oneDNN/MKL there), from 65 on ATen's fp32 GEMM.
-FP32_BATCHED_MIN_ROWS = 65
+
+
+@dataclass(frozen=True)
+class GemmPolicy:
+    """From which row count a layer's input goes to a GEMM instead of the native kernels,
+    per weight format, on one class of CPU (benchmarks/bench_dispatch.py measures them)."""
+
+    cpu: str  # the class of CPU it was measured on
+    quantized_min_rows: int  # int8, 4-bit and GGUF-block layers: weights decoded per chunk
+    quantized_bf16: bool  # that GEMM in bf16 (AVX512-BF16 dot products) rather than fp32
+    fp32_min_rows: int  # fp32 layers: ATen's GEMM over the weight itself
+
+
+# AVX512-BF16 (Zen 4 here): decoded to bf16, oneDNN's bf16 GEMM is ~2x the int8 kernels'
+# rate from 16 rows (compute-bound steps); fp32 layers: the native kernels up to 64 rows.
+BF16_POLICY = GemmPolicy("AVX512-BF16", 16, True, 65)
+# Without fast bf16 (AVX2 + FMA, or AVX-512 without BF16): decoded to fp32.
+FP32_POLICY = GemmPolicy("AVX2 + FMA", 65, False, 65)
+# Back-compatible names of the AVX512-BF16 figures.
+BF16_MIN_ROWS = BF16_POLICY.quantized_min_rows
+FP32_BATCHED_MIN_ROWS = FP32_POLICY.fp32_min_rows
 
 
 def kernel_isa_is_reduced() -> bool:
@@ -41,10 +57,19 @@ def bf16_gemm_fast() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported()) and not kernel_isa_is_reduced()
 
 
+def policy() -> GemmPolicy:
+    """The GEMM thresholds for this CPU (and KVLOOP_ISA)."""
+    return BF16_POLICY if bf16_gemm_fast() else FP32_POLICY
+
+
 def quantized_batched_path() -> tuple[int, bool]:
     """(min rows, bf16) of a quantized layer's batched path: the rows from which its
     weights are decoded for a GEMM instead of meeting the int8 kernels, and whether the
     GEMM runs in bf16 (else fp32)."""
-    if bf16_gemm_fast():
-        return BF16_MIN_ROWS, True
-    return FP32_BATCHED_MIN_ROWS, False
+    p = policy()
+    return p.quantized_min_rows, p.quantized_bf16
+
+
+def fp32_batched_min_rows() -> int:
+    """The rows from which an fp32 layer's input goes to ATen's GEMM."""
+    return policy().fp32_min_rows

@@ -28,10 +28,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="memory for all K and V blocks (default 2GiB)")
     # No argparse `choices`: EngineConfig refuses a bad value in the API's words (one line
     # naming kv_cache_dtype), the same for the CLI, the server and LLM(...).
-    g.add_argument("--kv-cache-dtype", default="fp32", metavar="DTYPE",
-                   help="how the KV cache stores K and V: fp32 (default, the reference), "
-                        "bf16 or fp16 (2x the tokens in the same --kv-cache-memory), int8 "
-                        "(one fp16 scale per token per head: ~4x)")
+    g.add_argument("--kv-cache-dtype", default="fp16", metavar="DTYPE",
+                   help="how the KV cache stores K and V: fp16 (default) or bf16 (half "
+                        "fp32's bytes: 2x the tokens in the same --kv-cache-memory), fp32 "
+                        "(the reference), int8 (one fp16 scale per token per head: ~4x)")
+    g.add_argument("--prefix-cache-memory", default="64MiB", metavar="SIZE",
+                   help="KV memory that blocks no request holds may keep for prefix-cache "
+                        "hits before they are reused instead of growing the resident pool "
+                        "(default 64MiB; the pool never exceeds --kv-cache-memory)")
     g.add_argument("--threads", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -66,7 +70,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     a bad one is the API's InvalidParamsError, printed as one line."""
     options: dict[str, Any] = {
         "use_cache": not args.no_cache, "kv_cache_memory": args.kv_cache_memory,
-        "kv_cache_dtype": args.kv_cache_dtype,
+        "kv_cache_dtype": args.kv_cache_dtype, "prefix_cache_memory": args.prefix_cache_memory,
         "num_threads": args.threads, "quantization": args.quantization,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len, "block_size": args.block_size,

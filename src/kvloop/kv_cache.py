@@ -60,13 +60,27 @@ def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
 
 class BlockPool:
     """All blocks; free ones (ref_count 0) in an LRU queue, cached ones in a hash map
-    per KV cache group."""
+    per KV cache group.
 
-    def __init__(self, num_blocks: int, num_groups: int = 1) -> None:
+    The runner's KV tensors are allocated untouched, so a block's memory becomes resident
+    the first time the block is written. Blocks never used yet are kept apart ("fresh"),
+    and an allocation takes, in order: a free block holding nothing findable; a fresh
+    block, while the free blocks still cached hold fewer than `cache_reserve`; the least
+    recently freed cached block (its contents evicted); a fresh block. So the resident
+    set grows with the blocks running requests need at once plus the reserve kept for
+    prefix hits, not with every distinct prompt served until the whole pool is resident
+    (a server's memory would creep up to kv_cache_memory over a day of unrelated
+    requests). `cache_reserve=None` keeps every freed block until the pool is full."""
+
+    def __init__(self, num_blocks: int, num_groups: int = 1,
+                 cache_reserve: int | None = None) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._fresh = list(reversed(self.blocks))  # never used; pop() takes the lowest id
+        self._free: OrderedDict[int, Block] = OrderedDict()  # used before, LRU first
+        self._num_free_cached = 0  # of _free, the blocks with a block_hash
+        self.cache_reserve = num_blocks if cache_reserve is None else cache_reserve
         self._cached_by_group: list[dict[int, Block]] = [{} for _ in range(num_groups)]
         self._cached = self._cached_by_group[0]
 
@@ -76,12 +90,23 @@ class BlockPool:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._fresh)
+
+    @property
+    def num_resident(self) -> int:
+        """Blocks used at least once: the pool's memory the process has touched."""
+        return len(self.blocks) - len(self._fresh)
 
     def allocate(self) -> Block:
-        """Take the least recently freed block, evicting its cached contents."""
-        _, block = self._free.popitem(last=False)
+        """Take a free block (in the order of the class docstring), evicting its cached
+        contents."""
+        if self._free and (next(iter(self._free.values())).block_hash is None
+                           or not self._fresh or self._num_free_cached >= self.cache_reserve):
+            _, block = self._free.popitem(last=False)
+        else:
+            block = self._fresh.pop()  # IndexError when nothing is free: callers check first
         if block.block_hash is not None:
+            self._num_free_cached -= 1
             cached = self._cached_by_group[block.group]
             if cached.get(block.block_hash) is block:
                 del cached[block.block_hash]
@@ -93,6 +118,7 @@ class BlockPool:
         """Share a block (prefix hit or fork): revive it if it sat in the free queue."""
         if block.ref_count == 0:
             del self._free[block.block_id]
+            self._num_free_cached -= block.block_hash is not None
         block.ref_count += 1
 
     def release(self, block: Block) -> None:
@@ -100,6 +126,12 @@ class BlockPool:
         assert block.ref_count >= 0, f"block {block.block_id} released too often"
         if block.ref_count == 0:
             self._free[block.block_id] = block
+            if block.block_hash is None:
+                # Nothing findable in it: first to the next allocation (its memory is
+                # resident already, and no prefix hit is lost).
+                self._free.move_to_end(block.block_id, last=False)
+            else:
+                self._num_free_cached += 1
 
     def lookup(self, block_hash: int, token_ids: tuple[int, ...],
                parent: Block | None, group: int = 0) -> Block | None:
@@ -118,6 +150,8 @@ class BlockPool:
 
     def cache(self, block: Block, block_hash: int, token_ids: tuple[int, ...],
               parent: Block | None, group: int = 0, parent_hash: int | None = None) -> None:
+        if block.ref_count == 0 and block.block_hash is None and block.block_id in self._free:
+            self._num_free_cached += 1  # (blocks are cached while held; kept exact anyway)
         block.block_hash, block.token_ids, block.parent = block_hash, token_ids, parent
         block.parent_hash, block.group = parent_hash, group
         # Keep an existing entry: an identical block cached earlier serves lookups equally.
@@ -161,6 +195,8 @@ class KVCacheStats:
     # Per sequence holding KV (in admission order), the blocks its tables reference over
     # all groups (a block shared by a prefix hit or a fork counts for each sharer).
     seq_blocks: tuple[int, ...] = ()
+    # Blocks written at least once: the part of the pool's memory the process has touched.
+    num_resident_blocks: int = 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -205,12 +241,13 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  watermark: float = 0.01, group_windows: Sequence[int | None] = (None,),
-                 bytes_per_block: int = 0, kv_dtype: str = "fp32") -> None:
+                 bytes_per_block: int = 0, kv_dtype: str = "fp32",
+                 cache_reserve: int | None = None) -> None:
         if not group_windows:
             raise ValueError("the KV cache needs at least one group")
         self.windows = list(group_windows)  # per group: its window, None for full attention
         self.num_groups = len(self.windows)
-        self.pool = BlockPool(num_blocks, self.num_groups)
+        self.pool = BlockPool(num_blocks, self.num_groups, cache_reserve)
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block  # as the KV dtype stores them: the real bytes
         self.kv_dtype = kv_dtype
@@ -274,7 +311,7 @@ class KVCacheManager:
                                for t in self._tables.values())
         return KVCacheStats(self.pool.num_blocks, self.pool.num_free,
                             self.prefix_queries, self.prefix_hits, self.bytes_per_block,
-                            self.kv_dtype, seq_blocks)
+                            self.kv_dtype, seq_blocks, self.pool.num_resident)
 
     def find_cached_prefix(self, request: Request) -> CachedPrefix:
         """Leading full blocks of the request's tokens already in the cache.

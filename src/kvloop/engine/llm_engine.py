@@ -167,9 +167,9 @@ def load_model(checkpoint: Checkpoint, pack: bool = True, quantization: str = "n
     if quantization != "none":
         taken |= use_stored_embedding(model, blocks)
     model.load_weights(checkpoint.weights(taken), preloaded=taken)
-    if cached is None and quantization in ("int8", "int4"):  # the rest, from fp32
+    if quantization in ("int8", "int4"):  # the rest, from fp32 (none left when cached)
         quantize_model(model, quantization)
-        if cache is not None:
+        if cached is None and cache is not None:
             cache.save(quantized_layers(model))
     if pack and not (native and native_supported(model)):
         model.pack_weights()  # whatever stayed fp32
@@ -282,7 +282,9 @@ class LLMEngine:
         self.kv = KVCacheManager(self.num_blocks, ec.block_size, ec.enable_prefix_caching,
                                  group_windows=[g.window for g in self.kv_groups],
                                  bytes_per_block=self.kv_bytes_per_block,
-                                 kv_dtype=ec.kv_cache_dtype)
+                                 kv_dtype=ec.kv_cache_dtype,
+                                 cache_reserve=int(ec.prefix_cache_memory)
+                                 // self.kv_bytes_per_block)
         self.scheduler = Scheduler(
             SchedulerConfig(ec.max_num_seqs, ec.max_num_batched_tokens, ec.use_cache), self.kv)
 

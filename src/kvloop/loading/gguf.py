@@ -263,6 +263,7 @@ class GGUFFile:
             w = self.arch.gguf_tensor(name, w)
             # F32 tensors are read-only views of the memory map: copy only those.
             yield name, torch.from_numpy(np.require(w, requirements=["C", "W"]))
+            self.reader.release(t.offset, t.nbytes)  # converted: its pages are not needed
 
     def quantized_linears(self) -> bool:
         """Whether any 2-D tensor the model uses is stored in a block format kvloop computes
@@ -296,6 +297,7 @@ class GGUFFile:
             rows, cols = (int(d) for d in reversed(t.shape))
             w = decode(np.asarray(t.data), t.tensor_type, rows, cols)
             order = self._row_order(name, rows, config)
+            self.reader.release(t.offset, t.nbytes)  # decode() copied what it needs
             return w if order is None else w.rows(torch.from_numpy(order))
 
         return _Lazy(self._stored(BLOCK_TYPES), read)
@@ -314,8 +316,10 @@ class GGUFFile:
             if order is not None:
                 codes, scales, zeros = codes[order], scales[order], zeros[order]
             assert codes.shape == (rows, cols)
-            return Int4Weights(*(torch.from_numpy(np.ascontiguousarray(a))
-                                 for a in (codes, scales, zeros)))
+            weights = Int4Weights(*(torch.from_numpy(np.ascontiguousarray(a))
+                                    for a in (codes, scales, zeros)))
+            self.reader.release(t.offset, t.nbytes)  # the arrays above are copies
+            return weights
 
         return _Lazy(self._stored((Q4_0, Q4_1)), read)
 

@@ -75,6 +75,17 @@ class GGUFHeader:
         self.tensors: list[TensorInfo] = []
         self._read()
 
+    def release(self, offset: int = 0, nbytes: int | None = None) -> None:
+        """Drop the map's pages over [offset, offset + nbytes) (all of it by default) from
+        this process's resident set. A tensor converted into its kernel layout is never read
+        from the map again, but its pages would stay resident (and in the process's peak)
+        until the map closes. The map is private and read-only, so a page read again later
+        is faulted back in from the file: releasing can cost time, never correctness."""
+        end = len(self._map) if nbytes is None else min(offset + nbytes, len(self._map))
+        start = offset - offset % mmap.PAGESIZE
+        if end > start and hasattr(mmap, "MADV_DONTNEED"):  # Linux, macOS
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     # ---- the walk ----
     def _need(self, n: int, what: str) -> None:
         if n < 0 or self._pos + n > len(self._buf):

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 
 log = logging.getLogger(__name__)
 
-LAYOUT_VERSION = 1  # bump when a cached layout's meaning changes
+LAYOUT_VERSION = 2  # bump when a cached layout's meaning changes
 _EDGE = 64 * 1024  # bytes of the model file's start and end that are hashed
 
 

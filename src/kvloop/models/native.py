@@ -99,7 +99,7 @@ def build_native_decoder(model: CausalLM) -> Any | None:
         lin = getattr(module, "native", None)
         if lin is None:  # fp32: the kernel over the dense weight, ATen's GEMM for batches
             lin = native_linear_of(module)
-            lin.set_batched_decode(dispatch.FP32_BATCHED_MIN_ROWS)
+            lin.set_batched_decode(dispatch.fp32_batched_min_rows())
         return lin
 
     # A tied head whose dense copy was dropped reads the embedding table, the same matrix.

@@ -57,9 +57,11 @@ def quantize_model(model: CausalLM, mode: str,
     """`mode`: "none", "int8", "int4" or "gguf", on a model whose weights are loaded. With
     int4, layers whose checkpoint tensors are 4-bit blocks (GGUF Q4_0 / Q4_1,
     `int4_source`) take those codes as they are (use_stored_int4); the rest are quantized
-    from fp32. The output head stays int8 under int4: it sets every logit, and it is one
-    matrix, so the extra bytes buy accuracy where it shows most. With "gguf" every layer
-    takes its checkpoint's blocks as stored (`block_source`), see `use_stored_blocks`.
+    from fp32. The output head is never 4-bit: it sets every logit, and it is one matrix,
+    so the extra bytes buy accuracy where it shows most. A tied head whose table the
+    checkpoint stores in blocks is that table (use_stored_embedding); another becomes
+    int8. With "gguf" every layer takes its checkpoint's blocks as stored
+    (`block_source`), see `use_stored_blocks`.
     Layers that are quantized already (built from stored codes before the weights were
     loaded) are left as they are."""
     if mode not in QUANTIZATIONS or mode == "auto":
@@ -131,12 +133,7 @@ def use_stored_blocks(model: CausalLM, source: Mapping[str, GroupWeights]) -> se
             log.warning("%s: stored blocks have shape %s, kept fp32", names, w.shape)
             return
         new = BlockLinear(w, lin.bias)
-        if kernels.available():
-            # The head keeps fp32 activations (int8 rounding of its input moved greedy
-            # tokens: see kvloop.models.native).
-            kind, weight, k, scales, bias = new.native_spec()
-            new.native = kernels.native_linear(kind, weight, k, scales, bias,
-                                               float_acts=is_head and kind == Q8B)
+        _attach_native(new, is_head)
         setattr(owner, attr, new)
         taken.update(n for n in names if n != EMBEDDING)
 
@@ -166,8 +163,23 @@ def use_stored_embedding(model: CausalLM, source: Mapping[str, GroupWeights]) ->
     owner.embed_stored = table
     owner.embed_tokens = nn.Parameter(torch.empty(0), requires_grad=False)  # not held
     if tied and isinstance(head, Linear):
-        head.weight = nn.Parameter(table.dequantize(), requires_grad=False)
+        # A tied head still fp32 (int8 / int4 modes: only decoder layers are re-quantized)
+        # is the table as stored: the checkpoint's own weights exactly, held once. An int8
+        # copy re-quantized from it would cost its bytes again and a dense fp32 matrix
+        # while it is built, and can only be as close to the stored values or further.
+        _attach_native(table, is_head=True)
+        owner.lm_head = table
     return {EMBEDDING}
+
+
+def _attach_native(layer: BlockLinear, is_head: bool) -> None:
+    """The layer's native kernel, when the kernels are built (the decode step re-attaches
+    them with more). The head keeps fp32 activations: int8 rounding of its input moved
+    greedy tokens (kvloop.models.native)."""
+    if kernels.available() and layer.native is None:
+        kind, weight, k, scales, bias = layer.native_spec()
+        layer.native = kernels.native_linear(kind, weight, k, scales, bias,
+                                             float_acts=is_head and kind == Q8B)
 
 
 def quantized_layers(model: CausalLM) -> dict[str, torch.Tensor]:
@@ -188,14 +200,17 @@ def use_cached_layers(model: CausalLM, tensors: Mapping[str, torch.Tensor],
                       checkpoint_names: Collection[str]) -> set[str]:
     """Install the layers `quantized_layers` gave (before the weights are loaded: biases
     arrive later, into the same Parameter objects). Every decoder layer and the head must
-    be there with the shapes this model wants, or ValueError (before anything changes).
+    be there with the shapes this model wants, or ValueError (before anything changes);
+    the head too unless it is tied (a tied head is the stored table, or quantized anew).
     Returns the checkpoint tensor names the loader can skip."""
     plan: list[tuple[nn.Module, str, nn.Module]] = []
     taken: set[str] = set()
     decoder = [(p, o, a, n) for p, o, a, n in _decoder_linears(model, checkpoint_names)]
-    head_names = [] if model.config.tie_word_embeddings else ["lm_head.weight"]
-    for path, owner, attr, names in [*decoder,
-                                     ("lm_head", cast(nn.Module, model), "lm_head", head_names)]:
+    tied = model.config.tie_word_embeddings
+    head = [("lm_head", cast(nn.Module, model), "lm_head", [] if tied else ["lm_head.weight"])]
+    if tied and not any(n.startswith("lm_head.") for n in tensors):
+        head = []  # the stored embedding table serves as the head (use_stored_embedding)
+    for path, owner, attr, names in [*decoder, *head]:
         lin = getattr(owner, attr)
         if not isinstance(lin, Linear):
             raise ValueError(f"{path} is not an fp32 layer to replace")

@@ -53,11 +53,18 @@ constexpr int64_t kQ4FBlock = 24;  // Q4F: fp32 scale, fp32 min, 16 bytes of cod
 #endif
 
 #ifdef __AVX2__
-// 8 int32 partial sums of w . x over 32 int8 pairs. vpmaddubsw wants u8 x s8: move w's
-// sign onto x (|w| <= 128, |x| <= 127: a pair sums to at most 32512, no saturation).
-inline __m256i dot_s8(__m256i w, __m256i x) {
-  const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+// int8 x int8 dot products: vpmaddubsw wants u8 x s8, so w's sign moves onto x (|w| as u8
+// <= 128, |x| <= 127: a pair sums to at most 32512, no saturation) - see row_q8.
+
+// {f[0] x4, f[1] x4}: the factors of two adjacent groups (or half blocks) for the lanes
+// their dot products land in, from one 8-byte load and a permute (two broadcasts and an
+// insert cost a third more per group in the AVX2 inner loops).
+// (Loaded through __m128i, which may alias anything: a double* load of the float array
+// let the compiler move it above the stores that fill it.)
+inline __m256 pair_factors(const float* f) {
+  const __m256 two = _mm256_castps128_ps256(
+      _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(f))));
+  return _mm256_permutevar8x32_ps(two, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
 }
 
 // Same for 4-bit codes in [0, 15] (already unsigned).
@@ -164,18 +171,29 @@ void row_q8(const int8_t* W, const float* scales, const QuantizedActs& A, int64_
   for (int c = 0; c < C; ++c)
     out[c] = hsum(_mm256_add_ps(acc0[c], acc1[c])) - 128.f * A.ssum[m0 + c];
 #elif defined(__AVX2__)
-  __m256 acc[C];
-  for (int c = 0; c < C; ++c) acc[c] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  // Two accumulators per row (even and odd blocks): at one activation row a single FMA
+  // chain left the step waiting on its latency.
+  __m256 acc0[C], acc1[C];
+  for (int c = 0; c < C; ++c) acc0[c] = acc1[c] = _mm256_setzero_ps();
+  auto block = [&](int64_t b, __m256* acc) {
     const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kGroup));
+    const __m256i aw = _mm256_sign_epi8(wv, wv);  // |w|, shared by every activation row
     for (int c = 0; c < C; ++c) {
       const __m256i xv = _mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(A.q.data() + (m0 + c) * K + b * kGroup));
-      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8(wv, xv)),
+      const __m256i dot = _mm256_madd_epi16(
+          _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), _mm256_set1_epi16(1));
+      acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                _mm256_set1_ps(A.d[(m0 + c) * nb + b]), acc[c]);
     }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    block(b, acc0);
+    block(b + 1, acc1);
   }
-  for (int c = 0; c < C; ++c) out[c] = hsum(acc[c]);
+  if (b < nb) block(b, acc0);
+  for (int c = 0; c < C; ++c) out[c] = hsum(_mm256_add_ps(acc0[c], acc1[c]));
 #else
   for (int c = 0; c < C; ++c) {
     float s = 0.f;
@@ -280,9 +298,14 @@ void row_q4(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, int6
       const __m256i dot = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xa),
                                               hi, xb);
 #else
-      const __m256i dot = _mm256_add_epi32(dot_u4(lo, xa), dot_u4(hi, xb));
+      // Both halves' u4 x s8 pair sums added as int16 before the one widening madd: each
+      // is at most 2 * 15 * 127 = 3810, so the sum (7620) cannot saturate, and a lane
+      // still holds one group's products (A.qp's order), so nothing mixes.
+      const __m256i dot = _mm256_madd_epi16(
+          _mm256_add_epi16(_mm256_maddubs_epi16(lo, xa), _mm256_maddubs_epi16(hi, xb)),
+          _mm256_set1_epi16(1));
 #endif
-      const __m256 sc = _mm256_set_m128(_mm_set1_ps(sx[c][b + 1]), _mm_set1_ps(sx[c][b]));
+      const __m256 sc = pair_factors(&sx[c][b]);
       acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sc, acc[c]);
     }
   };
@@ -362,7 +385,7 @@ void row_q8b(const int8_t* W, const uint8_t* S, const QuantizedActs& A, int64_t 
 #else
       const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xv), _mm256_set1_epi16(1));
 #endif
-      const __m256 f = _mm256_set_m128(_mm_set1_ps(sx[c][2 * b + 1]), _mm_set1_ps(sx[c][2 * b]));
+      const __m256 f = pair_factors(&sx[c][2 * b]);
       acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), f, acc[c]);
     }
   };

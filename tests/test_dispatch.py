@@ -1,0 +1,144 @@
+"""The dispatch policy (kvloop.dispatch) and every kernel build it dispatches to, at the row
+counts that cross its thresholds.
+
+Each ISA build this CPU runs (scalar, avx2, avx512vnni) is loaded side by side, and every
+weight layout goes through a layer set up as the policy for that class of CPU sets it (the
+native kernels below the threshold, a GEMM over decoded weights from it), against the
+float64 reference of what that path computes. KVLOOP_ISA=avx2 is also checked to hold the
+libraries under torch to AVX2, and greedy batch invariance to hold on the avx2 build.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from conftest import require_native_kernels
+from kvloop import dispatch
+from kvloop.kernels import build
+from kvloop.kernels.linear import F32, dequantize, linear_reference
+from test_native import LINEAR_RTOL, _gen, _layouts, assert_linear_close
+
+# Every row count either side of a threshold of any policy (16, 65), of the kernels' 4- and
+# 8-row activation tiles, and of the runner's largest native batch (64), up to a prefill.
+ROWS = (1, 2, 7, 8, 15, 16, 17, 31, 32, 33, 64, 65, 128, 512)
+LAYOUTS = ["f32", "q8", "q4", "q4f", "q8b-g16", "q8b-min-f32", "q8b-g32-f16"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _native_kernels() -> None:
+    require_native_kernels()
+
+
+def _policy_for(isa: str) -> dispatch.GemmPolicy:
+    """The policy a CPU whose best build is `isa` runs (avx512vnni: this CPU's own)."""
+    return dispatch.policy() if isa == "avx512vnni" else dispatch.FP32_POLICY
+
+
+def _module(isa: str) -> Any:
+    if isa not in build.cpu_isas():
+        pytest.skip(f"this CPU cannot run the {isa} build")
+    if isa == build.native_module().compiled_isa():
+        return build.native_module()
+    return build._build(isa)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512vnni"])
+def test_every_path_matches_float64_at_threshold_rows(isa: str, layout: str) -> None:
+    mod = _module(isa)
+    p = _policy_for(isa)
+    N, K = 136, 576  # 136: not a multiple of the kernels' row tiles
+    g = _gen(len(layout) * 31 + len(isa))
+    kind, w, sc = _layouts(N, K, g)[layout]
+    bias = torch.randn(N, generator=g)
+    lin = mod.QLinear(kind, w, K, sc, bias, False)
+    min_rows = p.fp32_min_rows if kind == F32 else p.quantized_min_rows
+    bf16 = kind != F32 and p.quantized_bf16
+    lin.set_batched_decode(min_rows, bf16)
+    dense = dequantize(kind, w, K, sc).double()
+    for M in ROWS:
+        x = torch.randn(M, K, generator=g)
+        y = lin.forward(x)
+        assert y.shape == (M, N)
+        what = f"{isa} {layout} M={M}"
+        if min_rows > M or kind == F32:  # the kernels (fp32: exact sums either way)
+            assert_linear_close(y, linear_reference(x, kind, w, K, sc, bias), what)
+        elif bf16:  # decoded to bf16, oneDNN's bf16 GEMM
+            ref = linear_reference(x, kind, w, K, sc, bias, bf16=True)
+            torch.testing.assert_close(y, ref, rtol=2**-7, atol=2**-8 * float(ref.abs().max()),
+                                       msg=lambda m, what=what: f"{what}: {m}")
+        else:  # decoded to fp32: the GEMM sees the activations unrounded
+            ref = (x.double() @ dense.T + bias.double()).float()
+            torch.testing.assert_close(y, ref, rtol=0, atol=LINEAR_RTOL * float(ref.abs().max()),
+                                       msg=lambda m, what=what: f"{what}: {m}")
+
+
+def test_policy_is_per_cpu_class() -> None:
+    """AVX512-BF16 sends quantized batches of 16+ rows to a bf16 GEMM; without it (or under
+    KVLOOP_ISA=avx2) they go to an fp32 GEMM from the measured AVX2 crossover."""
+    if dispatch.bf16_gemm_fast():
+        assert dispatch.policy() == dispatch.BF16_POLICY
+    else:
+        assert dispatch.policy() == dispatch.FP32_POLICY
+    assert not dispatch.FP32_POLICY.quantized_bf16 and dispatch.BF16_POLICY.quantized_bf16
+    for p in (dispatch.BF16_POLICY, dispatch.FP32_POLICY):
+        assert 1 <= p.quantized_min_rows <= 1024 and 1 <= p.fp32_min_rows <= 1024
+
+
+def _run(code: str, isa: str) -> str:
+    env = {**os.environ, "KVLOOP_ISA": isa, "PYTHONPATH": str(ROOT / "src")}
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        env.pop(name, None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_kvloop_isa_avx2_holds_the_libraries_to_avx2() -> None:
+    """An AVX-512 machine under KVLOOP_ISA=avx2 runs what an AVX2-only one does: ATen's
+    vector code, oneDNN and MKL capped at AVX2, no bf16 GEMM, the avx2 kernel build."""
+    if "avx2" not in build.cpu_isas():
+        pytest.skip("this CPU has no AVX2")
+    out = _run("import kvloop, os, torch\n"
+               "from kvloop import dispatch\n"
+               "from kvloop.kernels import build\n"
+               "print(torch.backends.cpu.get_cpu_capability(), os.environ['ONEDNN_MAX_CPU_ISA'],"
+               " os.environ['MKL_ENABLE_INSTRUCTIONS'], dispatch.bf16_gemm_fast(),"
+               " build.kernel_isa(), dispatch.policy().cpu)", "avx2")
+    assert out.split(maxsplit=5) == ["AVX2", "AVX2", "AVX2", "False", "avx2",
+                                     dispatch.FP32_POLICY.cpu + "\n"]
+
+
+@pytest.mark.slow
+def test_greedy_batch_invariance_on_the_avx2_build(tiny_model_dir: Path) -> None:
+    """fp32 greedy tokens of each prompt alone equal those in a batch of 24 (native decode
+    steps and GEMM-sized prefills mixed), on the avx2 build with the AVX2 policy, as the
+    default build's own tests check (test_batching.py)."""
+    if "avx2" not in build.cpu_isas():
+        pytest.skip("this CPU has no AVX2")
+    code = f"""
+import torch
+from kvloop import LLM, SamplingParams
+from kvloop.kernels import build
+assert build.native_module().compiled_isa() == "avx2"
+llm = LLM({str(tiny_model_dir)!r}, quantization="none", kv_cache_dtype="fp32")
+assert llm.engine.runner.decoder is not None
+g = torch.Generator().manual_seed(0)
+lens = [1, 5, 17, 40, 70, 100] * 4
+prompts = [torch.randint(2, 200, (n,), generator=g).tolist() for n in lens]
+p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+alone = [llm.generate([q], p)[0].outputs[0].token_ids for q in prompts]
+batch = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
+print(sum(a == b for a, b in zip(alone, batch)), len(prompts))
+"""
+    same, total = _run(code, "avx2").split()
+    assert same == total == "24"
