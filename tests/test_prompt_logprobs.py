@@ -40,7 +40,8 @@ def check(out, prompt: list[int], ref: torch.Tensor, top: int) -> None:
 
 @pytest.mark.parametrize("budget", [2048, 5])  # whole prompts, and chunks of 5 tokens
 def test_prompt_logprobs_equal_transformers(tiny_model_dir, reference, budget):
-    llm = LLM(tiny_model_dir, kv_cache_memory="16MiB", kv_cache_dtype="fp32", max_num_batched_tokens=budget)
+    llm = LLM(tiny_model_dir, kv_cache_memory="16MiB", kv_cache_dtype="fp32",
+              max_num_batched_tokens=budget)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=0, prompt_logprobs=3))
     for out, prompt, ref in zip(outs, PROMPTS, reference, strict=True):
         assert out.finished and out.outputs[0].token_ids == []

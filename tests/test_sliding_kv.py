@@ -245,7 +245,8 @@ def test_4000_token_sequence_holds_the_window_and_matches_transformers(
     g = torch.Generator().manual_seed(3)
     prompt = torch.randint(2, 320, (4000,), generator=g).tolist()
     want, logits = hf_greedy(hf, prompt, 6)
-    llm = LLM(d, kv_cache_dtype="fp32", kv_cache_memory=KV, block_size=16, max_num_batched_tokens=512)
+    llm = LLM(d, kv_cache_dtype="fp32", kv_cache_memory=KV,
+              block_size=16, max_num_batched_tokens=512)
     engine = llm.engine
     assert [grp.window for grp in engine.kv_groups] == [None] + [512] * 5
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -286,13 +287,15 @@ def test_mixed_batch_matches_transformers_and_the_all_full_cache(
     d, hf = gemma
     prompts = prompts_of((3, 15, 16, 17, 40, 130), 4)
     refs = [hf_greedy(hf, ids, 30) for ids in prompts]
-    llm = LLM(d, kv_cache_dtype="fp32", kv_cache_memory=KV, max_num_batched_tokens=24, use_kernels=use_kernels)
+    llm = LLM(d, kv_cache_dtype="fp32", kv_cache_memory=KV,
+              max_num_batched_tokens=24, use_kernels=use_kernels)
     assert llm.engine.runner.use_kernels == (use_kernels and kernels.available())
     got = greedy(llm, prompts, 30)
     for ours, (want, logits) in zip(got, refs, strict=True):
         assert compare_greedy(ours, want, logits) == len(want)
     one_group(monkeypatch)
-    full = LLM(d, kv_cache_dtype="fp32", kv_cache_memory=KV, max_num_batched_tokens=24, use_kernels=use_kernels)
+    full = LLM(d, kv_cache_dtype="fp32", kv_cache_memory=KV,
+              max_num_batched_tokens=24, use_kernels=use_kernels)
     assert len(full.engine.kv_groups) == 1
     assert greedy(full, prompts, 30) == got
 
@@ -304,7 +307,8 @@ def test_prefix_cache_hits_with_sliding_groups(gemma: tuple[Path, Any]) -> None:
     head = prompts_of((80,), 5)[0]
     prompts = [head + tail for tail in prompts_of((5, 21), 6)]
     refs = [hf_greedy(hf, ids, 20) for ids in prompts]
-    llm = LLM(d, kv_cache_dtype="fp32", kv_cache_memory=KV, max_num_batched_tokens=32, enable_prefix_caching=True)
+    llm = LLM(d, kv_cache_dtype="fp32", kv_cache_memory=KV,
+              max_num_batched_tokens=32, enable_prefix_caching=True)
     for _ in range(2):
         for ours, (want, logits) in zip(greedy(llm, prompts, 20), refs, strict=True):
             assert compare_greedy(ours, want, logits) == len(want)
@@ -349,7 +353,8 @@ def test_speculative_drafts_truncate_per_group(gemma: tuple[Path, Any]) -> None:
     d, hf = gemma
     prompt = (prompts_of((12,), 9)[0] * 6)[:70]
     want, logits = hf_greedy(hf, prompt, 40)
-    llm = LLM(d, kv_cache_dtype="fp32", kv_cache_memory=KV, speculative="ngram", ngram_min=1, ngram_max=3)
+    llm = LLM(d, kv_cache_dtype="fp32", kv_cache_memory=KV,
+              speculative="ngram", ngram_min=1, ngram_max=3)
     got = greedy(llm, [prompt], 40)[0]
     assert compare_greedy(got, want, logits) == len(want)
     assert llm.engine.scheduler.num_draft_tokens > 0
@@ -405,7 +410,8 @@ def test_qwen_with_sliding_upper_layers_matches_transformers(tmp_path: Path) -> 
     prompts = [p + t for p in prompts_of((30,), 10) for t in prompts_of((5, 11), 11)]
     hf = hf_model(d)
     refs = [hf_greedy(hf, ids, 20) for ids in prompts]
-    llm = LLM(d, kv_cache_dtype="fp32", kv_cache_memory=KV, block_size=4, max_num_batched_tokens=12)
+    llm = LLM(d, kv_cache_dtype="fp32", kv_cache_memory=KV,
+              block_size=4, max_num_batched_tokens=12)
     assert [g.window for g in llm.engine.kv_groups] == [None, 8, 8]
     for _ in range(2):
         for ours, (want, logits) in zip(greedy(llm, prompts, 20), refs, strict=True):
