@@ -117,8 +117,9 @@ def test_greedy_identical_in_a_mixed_batch_with_chunked_prefill_and_preemption(
     params = [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)] * len(prompts)
     params[1] = SamplingParams(max_tokens=20, num_beams=2)  # never speculates
     # A small pool (preemption) and a small token budget (chunked prefill).
+    # (fp32 KV: the block size in bytes is fp32's.)
     kw = dict(kv_cache_memory=24 * kv_cache_bytes_per_block(2, 2, 16, 16),
-              max_num_batched_tokens=32)
+              kv_cache_dtype="fp32", max_num_batched_tokens=32)
     base_engine = make_engine(tiny_model_dir, None, **kw)
     base = run(base_engine, prompts, params)
     engine = make_engine(tiny_model_dir, method, speculative_max_batch=64, **kw)
