@@ -488,8 +488,8 @@ def test_metrics_name_the_dtype() -> None:
 
 
 def test_bad_dtype_refused_by_config_and_llm() -> None:
-    with pytest.raises(InvalidParamsError, match="kv_cache_dtype must be one of fp32, bf16, "
-                                                 "fp16, int8, got 'fp8'") as info:
+    with pytest.raises(InvalidParamsError, match="kv_cache_dtype must be one of auto, fp32, "
+                                                 "bf16, fp16, int8, got 'fp8'") as info:
         EngineConfig(kv_cache_dtype="fp8")
     assert info.value.param == "kv_cache_dtype"
     # Before the model is looked at: the path does not exist.
@@ -531,6 +531,23 @@ def test_cli_passes_the_dtype(tiny_model_dir: Path, capsys: pytest.CaptureFixtur
     assert rc == 0, err
     assert [m.engine.config.kv_cache_dtype for m in made] == ["int8"]
     assert made[0].engine.kv.stats().kv_dtype == "int8"
+
+
+@pytest.mark.parametrize(("quantization", "want"),
+                         [("none", "fp32"), ("int8", "fp16"), ("gguf", "fp16")])
+def test_auto_dtype_follows_the_weights(default_gguf: Path, quantization: str,
+                                        want: str) -> None:
+    """fp32 weights (exactness asked for) keep an fp32 cache; quantized ones get fp16, which
+    the stats, the pool's bytes per block and the config all report."""
+    llm = LLM(default_gguf, quantization=quantization, kv_cache_memory="16MiB")
+    assert llm.engine.config.kv_cache_dtype == want
+    assert llm.engine.kv.stats().kv_dtype == want
+    fp32_block = kv_cache_bytes_per_block(llm.engine.model_config.num_layers,
+                                          llm.engine.model_config.num_kv_heads,
+                                          llm.engine.model_config.head_dim, 16)
+    assert llm.engine.kv_bytes_per_block == fp32_block // (1 if want == "fp32" else 2)
+    assert LLM(default_gguf, quantization=quantization, kv_cache_memory="16MiB",
+               kv_cache_dtype="bf16").engine.kv.stats().kv_dtype == "bf16"
 
 
 # -- 6. the default model (slow) -------------------------------------------------------------

@@ -116,6 +116,16 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 # How the KV cache stores K and V; kept equal to kvloop.quant.kv.KV_CACHE_DTYPES' names (a
 # test checks), for the same reason. int8 keeps one fp16 scale per token per head.
 KV_CACHE_DTYPES = ("fp32", "bf16", "fp16", "int8")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, quantization: str) -> str:
+    """What "auto" stores for a model whose weights run in `quantization` (resolved, not
+    "auto"): fp32 beside fp32 weights, which are asked for to compute what an fp32 oracle
+    computes; fp16 beside quantized ones, whose own rounding is far above fp16's (the
+    quality figures: README's KV cache section)."""
+    if kv_cache_dtype != "auto":
+        return kv_cache_dtype
+    return "fp32" if quantization == "none" else "fp16"
 # None (off), prompt lookup, or a draft model: this model with int4/int8 weights ("self:"),
 # or "draft:PATH", another model file sharing this one's tokenizer.
 SPECULATIVE_METHODS = (None, "ngram", "self:int4", "self:int8")
@@ -147,13 +157,15 @@ class EngineConfig:
     use_cache: bool = True
     block_size: int = 16
     kv_cache_memory: int | str = 2 * 2**30  # bytes (or "2GiB") for all K and V blocks
-    # How K and V are stored: "fp16" (the default, as llama.cpp's f16 cache: half the
-    # bytes of fp32, so the same kv_cache_memory holds twice the tokens; 11 bits of
-    # mantissa, range +-65504, far above any K or V of the models kvloop runs), "bf16"
-    # (fp32's range, 8 bits of mantissa), "fp32" (the reference: what exactness against an
-    # fp32 oracle needs), "int8" (codes with one fp16 scale per token per head: ~4x).
-    # Attention always computes in fp32 over what is stored.
-    kv_cache_dtype: str = "fp16"
+    # How K and V are stored: "fp16" (as llama.cpp's f16 cache: half the bytes of fp32,
+    # so the same kv_cache_memory holds twice the tokens; 11 bits of mantissa, range
+    # +-65504, far above any K or V of the models kvloop runs), "bf16" (fp32's range, 8 bits
+    # of mantissa), "fp32" (the reference: what exactness against an fp32 oracle needs),
+    # "int8" (codes with one fp16 scale per token per head: ~4x). "auto" (the default):
+    # fp32 when the weights are fp32 (quantization "none": exactness was asked for), fp16
+    # otherwise (resolve_kv_cache_dtype). Attention always computes in fp32 over what is
+    # stored.
+    kv_cache_dtype: str = "auto"
     # Of kv_cache_memory, how much blocks no request holds may keep for prefix-cache hits
     # before the pool reuses them rather than touch memory it has not used yet (the pool
     # is committed as blocks are first written: kv_cache.BlockPool). The whole pool still
@@ -216,9 +228,9 @@ class EngineConfig:
                            if cpus else f"an integer >= 1 and <= {MAX_THREADS_UNKNOWN_CPUS}")
         if self.quantization not in QUANTIZATIONS:
             raise _bad("quantization", self.quantization, f"one of {', '.join(QUANTIZATIONS)}")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+        if self.kv_cache_dtype not in ("auto", *KV_CACHE_DTYPES):
             raise _bad("kv_cache_dtype", self.kv_cache_dtype,
-                       f"one of {', '.join(KV_CACHE_DTYPES)}")
+                       f"one of auto, {', '.join(KV_CACHE_DTYPES)}")
         if not (self.speculative in SPECULATIVE_METHODS or (
                 isinstance(self.speculative, str) and self.speculative.startswith("draft:")
                 and len(self.speculative) > len("draft:"))):

@@ -28,10 +28,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="memory for all K and V blocks (default 2GiB)")
     # No argparse `choices`: EngineConfig refuses a bad value in the API's words (one line
     # naming kv_cache_dtype), the same for the CLI, the server and LLM(...).
-    g.add_argument("--kv-cache-dtype", default="fp16", metavar="DTYPE",
-                   help="how the KV cache stores K and V: fp16 (default) or bf16 (half "
-                        "fp32's bytes: 2x the tokens in the same --kv-cache-memory), fp32 "
-                        "(the reference), int8 (one fp16 scale per token per head: ~4x)")
+    g.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+                   help="how the KV cache stores K and V: auto (default: fp32 beside "
+                        "--quantization none, else fp16), fp16 or bf16 (half fp32's bytes: "
+                        "2x the tokens in the same --kv-cache-memory), fp32 (the reference), "
+                        "int8 (one fp16 scale per token per head: ~4x)")
     g.add_argument("--prefix-cache-memory", default="64MiB", metavar="SIZE",
                    help="KV memory that blocks no request holds may keep for prefix-cache "
                         "hits before they are reused instead of growing the resident pool "

@@ -21,7 +21,7 @@ import torch
 
 from kvloop import kernels
 from kvloop.batch import SchedulerOutput
-from kvloop.config import EngineConfig, ModelConfig
+from kvloop.config import EngineConfig, ModelConfig, resolve_kv_cache_dtype
 from kvloop.engine.detokenizer import IncrementalDetokenizer
 from kvloop.engine.output_state import SeqOutputState
 from kvloop.engine.outputs import CompletionOutput, RequestOutput
@@ -197,8 +197,10 @@ class LLMEngine:
             raise InvalidParamsError(f"quantization must be one of {QUANTIZATIONS}, got "
                                      f"{self.config.quantization!r}")
         # "auto" becomes what this checkpoint runs with, so that stats and drafts see it.
-        self.config = replace(self.config, quantization=resolve_quantization(
-            self.config.quantization, self.checkpoint))
+        quantization = resolve_quantization(self.config.quantization, self.checkpoint)
+        self.config = replace(self.config, quantization=quantization,
+                              kv_cache_dtype=resolve_kv_cache_dtype(
+                                  self.config.kv_cache_dtype, quantization))
         # The native decode step reads fp32 weights densely (and runs prefill GEMMs on them).
         native = self.config.use_kernels and self.config.use_cache and kernels.available()
         self.model = load_model(self.checkpoint, self.config.pack_weights,
