@@ -184,27 +184,32 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
         """Build the tokenizer a GGUF file describes (key -> `field.contents()` values)."""
-        model = metadata.get("tokenizer.ggml.model")
-        tokens = metadata.get("tokenizer.ggml.tokens")
+        model = _meta_str(metadata, "tokenizer.ggml.model")
+        tokens = _meta_list(metadata, "tokenizer.ggml.tokens", str)
         if model is None or not tokens:
             raise ModelLoadError("the GGUF file has no tokenizer (tokenizer.ggml.* metadata)")
-        tokens = [str(t) for t in tokens]
-        types = [int(t) for t in metadata.get("tokenizer.ggml.token_type") or ()]
+        types = _meta_list(metadata, "tokenizer.ggml.token_type", int)
         types += [_NORMAL] * (len(tokens) - len(types))
 
         def token_id(key: str) -> int | None:
-            value = metadata.get(f"tokenizer.ggml.{key}")
-            return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
+            value = _meta_int(metadata, f"tokenizer.ggml.{key}")
+            return value if value is not None and 0 <= value < len(tokens) else None
 
         bos, eos = token_id("bos_token_id"), token_id("eos_token_id")
         unk, pad = token_id("unknown_token_id"), token_id("padding_token_id")
         # llama.cpp adds BOS for SentencePiece vocabularies unless the file says otherwise.
-        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", model == "llama"))
-        add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+        add_bos = _meta_bool(metadata, "tokenizer.ggml.add_bos_token", model == "llama")
+        add_eos = _meta_bool(metadata, "tokenizer.ggml.add_eos_token", False)
+        chat_template = _meta_str(metadata, "tokenizer.chat_template")
 
-        hf_json = metadata.get("tokenizer.huggingface.json")
+        hf_json = _meta_str(metadata, "tokenizer.huggingface.json")
         if hf_json:  # some converters embed the original tokenizer.json: nothing to rebuild
-            backend = HFTokenizer.from_str(str(hf_json))
+            try:
+                backend = HFTokenizer.from_str(hf_json)
+            except Exception as e:  # the Rust error names the bad field: keep it, one line
+                raise ModelLoadError(
+                    f"tokenizer.huggingface.json is not a valid tokenizer.json: {e}"
+                ) from None
         elif model == "gpt2":
             backend = _byte_level_bpe(tokens, types, metadata)
         elif model == "llama":
@@ -227,7 +232,7 @@ class Tokenizer:
             eos_token_ids=[i for i in ends if i is not None],
             pad_token_id=pad,
             unk_token_id=unk,
-            chat_template=metadata.get("tokenizer.chat_template"),
+            chat_template=chat_template,
             vocab_size=len(tokens),
         )
 
@@ -249,9 +254,15 @@ class Tokenizer:
             value = config.get(name)
             if isinstance(value, dict):  # serialized AddedToken
                 value = value.get("content")
-            return backend.token_to_id(value) if isinstance(value, str) else None
+            if value is not None and not isinstance(value, str):
+                raise _config_error("tokenizer_config.json", name, "a token string",
+                                    config.get(name))
+            return backend.token_to_id(value) if value is not None else None
 
         bos, eos = special_id("bos_token"), special_id("eos_token")
+        for flag in ("add_bos_token", "add_eos_token"):
+            if config.get(flag) is not None and not isinstance(config[flag], bool):
+                raise _config_error("tokenizer_config.json", flag, "a boolean", config[flag])
         if "add_bos_token" in config or "add_eos_token" in config:
             # An explicit flag overrides whatever the tokenizer.json post-processor does.
             add_bos = config.get("add_bos_token") and bos is not None
@@ -264,6 +275,9 @@ class Tokenizer:
         ends = [eos] if eos is not None else []
         gen_eos = gen_config.get("eos_token_id")
         ends += gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ends):
+            raise _config_error("generation_config.json", "eos_token_id",
+                                "an integer or an array of integers", gen_eos)
         pad = special_id("pad_token")
         if pad is None and isinstance(gen_config.get("pad_token_id"), int):
             pad = gen_config["pad_token_id"]
@@ -272,7 +286,7 @@ class Tokenizer:
         return cls(
             backend,
             bos_token_id=bos,
-            eos_token_ids=[int(i) for i in ends],
+            eos_token_ids=ends,
             pad_token_id=pad,
             unk_token_id=special_id("unk_token"),
             chat_template=_hf_chat_template(path, config),
@@ -490,10 +504,10 @@ class Tokenizer:
 
 
 # --- GGUF builders ---------------------------------------------------------------------------
-def _merge_pairs(merges: Iterable[str]) -> list[tuple[str, str]]:
+def _merge_pairs(metadata: Mapping[str, Any]) -> list[tuple[str, str]]:
     pairs = []
-    for merge in merges:
-        parts = str(merge).split(" ")
+    for merge in _meta_list(metadata, "tokenizer.ggml.merges", str):
+        parts = merge.split(" ")
         if len(parts) != 2:
             raise ModelLoadError(f"malformed merge {merge!r} in tokenizer.ggml.merges")
         pairs.append((parts[0], parts[1]))
@@ -523,18 +537,13 @@ def _byte_level_bpe(
             # alphabet so BPE can reach it. Added tokens keep their text: they are matched raw.
             tok = "".join(alphabet[b] for b in tok.encode("utf-8"))
         vocab.setdefault(tok, i)
-    pre = str(metadata.get("tokenizer.ggml.pre", "default"))
+    pre = _meta_str(metadata, "tokenizer.ggml.pre") or "default"
     splits = _PRE_SPLITS.get(pre)
     if splits is None:
         logger.warning("unknown tokenizer.ggml.pre %r: splitting text like GPT-2", pre)
         splits = (_GPT2,)
-    backend = HFTokenizer(
-        models.BPE(
-            vocab=vocab,
-            merges=_merge_pairs(metadata.get("tokenizer.ggml.merges") or ()),
-            ignore_merges=pre in _IGNORE_MERGES,
-        )
-    )
+    backend = HFTokenizer(_bpe(vocab=vocab, merges=_merge_pairs(metadata),
+                               ignore_merges=pre in _IGNORE_MERGES))
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
@@ -556,25 +565,22 @@ def _sentencepiece_bpe(
     vocab: dict[str, int] = {}
     for i, tok in enumerate(tokens):
         vocab.setdefault(tok, i)
-    if metadata.get("tokenizer.ggml.merges"):
-        merges = _merge_pairs(metadata["tokenizer.ggml.merges"])
-    else:
+    merges = _merge_pairs(metadata)
+    if not merges:
         # SentencePiece merges the adjacent pair whose result scores best, so ranking every
         # (left, right) split of each token by that token's score gives the same BPE.
         # Gemma's scores do not follow its merge order; its file order does.
         scores = (
             [-float(i) for i in range(len(tokens))]
             if gemma
-            else [float(s) for s in metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)]
+            else _meta_list(metadata, "tokenizer.ggml.scores", float) or [0.0] * len(tokens)
         )
         merges = _derive_merges(tokens, types, scores, vocab)
     unk_token = tokens[unk] if unk is not None else None
     backend = HFTokenizer(
-        models.BPE(
-            vocab=vocab, merges=merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True
-        )
+        _bpe(vocab=vocab, merges=merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True)
     )
-    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", not gemma))
+    prefix = _meta_bool(metadata, "tokenizer.ggml.add_space_prefix", not gemma)
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
         replacement="▁", prepend_scheme="first" if prefix else "never", split=False
     )
@@ -584,6 +590,17 @@ def _sentencepiece_bpe(
     backend.decoder = decoders.Sequence(steps)
     backend.add_tokens(_added_tokens(tokens, types))
     return backend
+
+
+def _bpe(**kwargs: Any) -> models.BPE:
+    """models.BPE, its one failure (a merge of tokens the vocabulary lacks) a one-line
+    ModelLoadError naming the metadata keys."""
+    try:
+        return models.BPE(**kwargs)
+    except Exception as e:  # the Rust error says which token: keep that, drop the traceback
+        raise ModelLoadError(
+            f"tokenizer.ggml.merges does not fit tokenizer.ggml.tokens: {_one_line(e)}"
+        ) from None
 
 
 def _derive_merges(
@@ -632,6 +649,52 @@ def _set_bos_eos(backend: HFTokenizer, bos: str | None, eos: str | None) -> None
     backend.post_processor = processor
 
 
+# --- typed reads of GGUF tokenizer metadata ------------------------------------------------------
+# The file is untrusted: a field of the wrong type is a ModelLoadError naming its key, never a
+# TypeError from deep inside the tokenizer build.
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def _wrong_type(key: str, want: str, value: Any) -> ModelLoadError:
+    return ModelLoadError(f"tokenizer metadata {key} must be {want}, got {_shown(value)}")
+
+
+def _meta_str(metadata: Mapping[str, Any], key: str) -> str | None:
+    value = metadata.get(key)
+    if value is not None and not isinstance(value, str):
+        raise _wrong_type(key, "a string", value)
+    return value
+
+
+def _meta_int(metadata: Mapping[str, Any], key: str) -> int | None:
+    value = metadata.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise _wrong_type(key, "an integer", value)
+    return value
+
+
+def _meta_bool(metadata: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = metadata.get(key, default)
+    if not isinstance(value, bool):
+        raise _wrong_type(key, "a boolean", value)
+    return value
+
+
+def _meta_list(metadata: Mapping[str, Any], key: str, kind: type) -> list[Any]:
+    """An array of `kind` (ints are taken where floats are asked); [] when absent."""
+    value = metadata.get(key)
+    if value is None:
+        return []
+    kinds = (int, float) if kind is float else (kind,)
+    if not isinstance(value, list | tuple) or not all(
+        isinstance(v, kinds) and not isinstance(v, bool) for v in value
+    ):
+        raise _wrong_type(key, f"an array of {kind.__name__}s", value)
+    return list(value)
+
+
 # --- HF directory helpers ---------------------------------------------------------------------
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
@@ -643,18 +706,28 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def _config_error(file: str, key: str, want: str, value: Any) -> ModelLoadError:
+    return ModelLoadError(f"{file}: {key} must be {want}, got {_shown(value)}")
+
+
 def _hf_chat_template(path: Path, config: Mapping[str, Any]) -> str | None:
     """The chat template, wherever this transformers version saved it."""
     jinja_file = path / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
-    template = _read_json(path / "chat_template.json").get("chat_template") or config.get(
-        "chat_template"
-    )
+        try:
+            return jinja_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"cannot read {jinja_file}: {e}") from None
+    file, template = "chat_template.json", _read_json(path / "chat_template.json").get(
+        "chat_template")
+    if not template:
+        file, template = "tokenizer_config.json", config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default") or next(iter(named.values()), None)
-    return template if isinstance(template, str) else None
+    if template is not None and not isinstance(template, str):
+        raise _config_error(file, "chat_template", "a string", template)
+    return template
 
 
 # --- user text --------------------------------------------------------------------------------
