@@ -15,31 +15,28 @@ metadata under llama.cpp's key names, and we rebuild the equivalent tokenizer fr
 
 from __future__ import annotations
 
-import functools
-import inspect
 import json
 import logging
-import math
 import re
 import secrets
-import string
-import sys
-import threading
-import time
-import types
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from datetime import datetime
+from collections.abc import Iterable, Mapping, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.sandbox
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from kvloop.errors import InvalidParamsError, KvloopError, ModelLoadError
+from kvloop.loading.chat_template import (
+    TEMPLATE_MAX_CHARS,  # noqa: F401  (callers know the limits from here)
+    TEMPLATE_TIME_LIMIT_S,  # noqa: F401
+    TemplateCompileError,
+    TemplateLimitError,
+    TemplateRefusedError,
+    _one_line,
+    render_chat_template,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -184,27 +181,32 @@ class Tokenizer:
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any]) -> Tokenizer:
         """Build the tokenizer a GGUF file describes (key -> `field.contents()` values)."""
-        model = metadata.get("tokenizer.ggml.model")
-        tokens = metadata.get("tokenizer.ggml.tokens")
+        model = _meta_str(metadata, "tokenizer.ggml.model")
+        tokens = _meta_list(metadata, "tokenizer.ggml.tokens", str)
         if model is None or not tokens:
             raise ModelLoadError("the GGUF file has no tokenizer (tokenizer.ggml.* metadata)")
-        tokens = [str(t) for t in tokens]
-        types = [int(t) for t in metadata.get("tokenizer.ggml.token_type") or ()]
+        types = _meta_list(metadata, "tokenizer.ggml.token_type", int)
         types += [_NORMAL] * (len(tokens) - len(types))
 
         def token_id(key: str) -> int | None:
-            value = metadata.get(f"tokenizer.ggml.{key}")
-            return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
+            value = _meta_int(metadata, f"tokenizer.ggml.{key}")
+            return value if value is not None and 0 <= value < len(tokens) else None
 
         bos, eos = token_id("bos_token_id"), token_id("eos_token_id")
         unk, pad = token_id("unknown_token_id"), token_id("padding_token_id")
         # llama.cpp adds BOS for SentencePiece vocabularies unless the file says otherwise.
-        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", model == "llama"))
-        add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+        add_bos = _meta_bool(metadata, "tokenizer.ggml.add_bos_token", model == "llama")
+        add_eos = _meta_bool(metadata, "tokenizer.ggml.add_eos_token", False)
+        chat_template = _meta_str(metadata, "tokenizer.chat_template")
 
-        hf_json = metadata.get("tokenizer.huggingface.json")
+        hf_json = _meta_str(metadata, "tokenizer.huggingface.json")
         if hf_json:  # some converters embed the original tokenizer.json: nothing to rebuild
-            backend = HFTokenizer.from_str(str(hf_json))
+            try:
+                backend = HFTokenizer.from_str(hf_json)
+            except Exception as e:  # the Rust error names the bad field: keep it, one line
+                raise ModelLoadError(
+                    f"tokenizer.huggingface.json is not a valid tokenizer.json: {e}"
+                ) from None
         elif model == "gpt2":
             backend = _byte_level_bpe(tokens, types, metadata)
         elif model == "llama":
@@ -227,7 +229,7 @@ class Tokenizer:
             eos_token_ids=[i for i in ends if i is not None],
             pad_token_id=pad,
             unk_token_id=unk,
-            chat_template=metadata.get("tokenizer.chat_template"),
+            chat_template=chat_template,
             vocab_size=len(tokens),
         )
 
@@ -249,9 +251,15 @@ class Tokenizer:
             value = config.get(name)
             if isinstance(value, dict):  # serialized AddedToken
                 value = value.get("content")
-            return backend.token_to_id(value) if isinstance(value, str) else None
+            if value is not None and not isinstance(value, str):
+                raise _config_error("tokenizer_config.json", name, "a token string",
+                                    config.get(name))
+            return backend.token_to_id(value) if value is not None else None
 
         bos, eos = special_id("bos_token"), special_id("eos_token")
+        for flag in ("add_bos_token", "add_eos_token"):
+            if config.get(flag) is not None and not isinstance(config[flag], bool):
+                raise _config_error("tokenizer_config.json", flag, "a boolean", config[flag])
         if "add_bos_token" in config or "add_eos_token" in config:
             # An explicit flag overrides whatever the tokenizer.json post-processor does.
             add_bos = config.get("add_bos_token") and bos is not None
@@ -264,6 +272,9 @@ class Tokenizer:
         ends = [eos] if eos is not None else []
         gen_eos = gen_config.get("eos_token_id")
         ends += gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else []
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ends):
+            raise _config_error("generation_config.json", "eos_token_id",
+                                "an integer or an array of integers", gen_eos)
         pad = special_id("pad_token")
         if pad is None and isinstance(gen_config.get("pad_token_id"), int):
             pad = gen_config["pad_token_id"]
@@ -272,7 +283,7 @@ class Tokenizer:
         return cls(
             backend,
             bos_token_id=bos,
-            eos_token_ids=[int(i) for i in ends],
+            eos_token_ids=ends,
             pad_token_id=pad,
             unk_token_id=special_id("unk_token"),
             chat_template=_hf_chat_template(path, config),
@@ -356,16 +367,9 @@ class Tokenizer:
             "documents": None,
             **template_vars,
         }
-        try:
-            template = _compile_template(self.chat_template)
-        except (jinja2.TemplateError, RecursionError, MemoryError) as e:
-            raise KvloopError(f"chat template does not compile: {_one_line(e)}") from None
-        return _render(
-            template,
-            messages=[dict(m) for m in messages],
-            add_generation_prompt=add_generation_prompt,
-            **context,
-        )
+        context["messages"] = [dict(m) for m in messages]
+        context["add_generation_prompt"] = add_generation_prompt
+        return render_chat_template(self.chat_template, context)
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
@@ -461,23 +465,20 @@ class Tokenizer:
         that does not compile, runs over a limit, or fails on every sample is refused
         here, at load, rather than on every request. One that refuses a sample on purpose
         (raise_exception: "roles must alternate") is fine; that is its job."""
-        assert self.chat_template is not None
-        try:
-            _compile_template(self.chat_template)
-        except (jinja2.TemplateError, RecursionError, MemoryError) as e:
-            raise ModelLoadError(f"chat template does not compile: {_one_line(e)}") from None
         errors: list[KvloopError] = []
         for sample in _SAMPLE_CHATS:
             try:
                 self.apply_chat_template(sample)
                 return
+            except TemplateCompileError as e:
+                raise ModelLoadError(str(e)) from None
             except TemplateLimitError as e:
                 raise ModelLoadError(
                     f"chat template refused: on a {len(sample)}-message sample chat it {e.what}"
                 ) from None
             except KvloopError as e:
                 errors.append(e)
-        if any(isinstance(e.__cause__, _TemplateRaised) for e in errors):
+        if any(isinstance(e, TemplateRefusedError) for e in errors):
             logger.warning("the chat template refused every sample chat (%s)", errors[0])
             return
         raise ModelLoadError(f"chat template refused: it fails on a sample chat: {errors[0]}")
@@ -490,10 +491,10 @@ class Tokenizer:
 
 
 # --- GGUF builders ---------------------------------------------------------------------------
-def _merge_pairs(merges: Iterable[str]) -> list[tuple[str, str]]:
+def _merge_pairs(metadata: Mapping[str, Any]) -> list[tuple[str, str]]:
     pairs = []
-    for merge in merges:
-        parts = str(merge).split(" ")
+    for merge in _meta_list(metadata, "tokenizer.ggml.merges", str):
+        parts = merge.split(" ")
         if len(parts) != 2:
             raise ModelLoadError(f"malformed merge {merge!r} in tokenizer.ggml.merges")
         pairs.append((parts[0], parts[1]))
@@ -523,18 +524,13 @@ def _byte_level_bpe(
             # alphabet so BPE can reach it. Added tokens keep their text: they are matched raw.
             tok = "".join(alphabet[b] for b in tok.encode("utf-8"))
         vocab.setdefault(tok, i)
-    pre = str(metadata.get("tokenizer.ggml.pre", "default"))
+    pre = _meta_str(metadata, "tokenizer.ggml.pre") or "default"
     splits = _PRE_SPLITS.get(pre)
     if splits is None:
         logger.warning("unknown tokenizer.ggml.pre %r: splitting text like GPT-2", pre)
         splits = (_GPT2,)
-    backend = HFTokenizer(
-        models.BPE(
-            vocab=vocab,
-            merges=_merge_pairs(metadata.get("tokenizer.ggml.merges") or ()),
-            ignore_merges=pre in _IGNORE_MERGES,
-        )
-    )
+    backend = HFTokenizer(_bpe(vocab=vocab, merges=_merge_pairs(metadata),
+                               ignore_merges=pre in _IGNORE_MERGES))
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
@@ -556,25 +552,22 @@ def _sentencepiece_bpe(
     vocab: dict[str, int] = {}
     for i, tok in enumerate(tokens):
         vocab.setdefault(tok, i)
-    if metadata.get("tokenizer.ggml.merges"):
-        merges = _merge_pairs(metadata["tokenizer.ggml.merges"])
-    else:
+    merges = _merge_pairs(metadata)
+    if not merges:
         # SentencePiece merges the adjacent pair whose result scores best, so ranking every
         # (left, right) split of each token by that token's score gives the same BPE.
         # Gemma's scores do not follow its merge order; its file order does.
         scores = (
             [-float(i) for i in range(len(tokens))]
             if gemma
-            else [float(s) for s in metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)]
+            else _meta_list(metadata, "tokenizer.ggml.scores", float) or [0.0] * len(tokens)
         )
         merges = _derive_merges(tokens, types, scores, vocab)
     unk_token = tokens[unk] if unk is not None else None
     backend = HFTokenizer(
-        models.BPE(
-            vocab=vocab, merges=merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True
-        )
+        _bpe(vocab=vocab, merges=merges, unk_token=unk_token, fuse_unk=True, byte_fallback=True)
     )
-    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", not gemma))
+    prefix = _meta_bool(metadata, "tokenizer.ggml.add_space_prefix", not gemma)
     backend.pre_tokenizer = pre_tokenizers.Metaspace(
         replacement="▁", prepend_scheme="first" if prefix else "never", split=False
     )
@@ -584,6 +577,17 @@ def _sentencepiece_bpe(
     backend.decoder = decoders.Sequence(steps)
     backend.add_tokens(_added_tokens(tokens, types))
     return backend
+
+
+def _bpe(**kwargs: Any) -> models.BPE:
+    """models.BPE, its one failure (a merge of tokens the vocabulary lacks) a one-line
+    ModelLoadError naming the metadata keys."""
+    try:
+        return models.BPE(**kwargs)
+    except Exception as e:  # the Rust error says which token: keep that, drop the traceback
+        raise ModelLoadError(
+            f"tokenizer.ggml.merges does not fit tokenizer.ggml.tokens: {_one_line(e)}"
+        ) from None
 
 
 def _derive_merges(
@@ -632,6 +636,52 @@ def _set_bos_eos(backend: HFTokenizer, bos: str | None, eos: str | None) -> None
     backend.post_processor = processor
 
 
+# --- typed reads of GGUF tokenizer metadata ------------------------------------------------------
+# The file is untrusted: a field of the wrong type is a ModelLoadError naming its key, never a
+# TypeError from deep inside the tokenizer build.
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def _wrong_type(key: str, want: str, value: Any) -> ModelLoadError:
+    return ModelLoadError(f"tokenizer metadata {key} must be {want}, got {_shown(value)}")
+
+
+def _meta_str(metadata: Mapping[str, Any], key: str) -> str | None:
+    value = metadata.get(key)
+    if value is not None and not isinstance(value, str):
+        raise _wrong_type(key, "a string", value)
+    return value
+
+
+def _meta_int(metadata: Mapping[str, Any], key: str) -> int | None:
+    value = metadata.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise _wrong_type(key, "an integer", value)
+    return value
+
+
+def _meta_bool(metadata: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = metadata.get(key, default)
+    if not isinstance(value, bool):
+        raise _wrong_type(key, "a boolean", value)
+    return value
+
+
+def _meta_list(metadata: Mapping[str, Any], key: str, kind: type) -> list[Any]:
+    """An array of `kind` (ints are taken where floats are asked); [] when absent."""
+    value = metadata.get(key)
+    if value is None:
+        return []
+    kinds = (int, float) if kind is float else (kind,)
+    if not isinstance(value, list | tuple) or not all(
+        isinstance(v, kinds) and not isinstance(v, bool) for v in value
+    ):
+        raise _wrong_type(key, f"an array of {kind.__name__}s", value)
+    return list(value)
+
+
 # --- HF directory helpers ---------------------------------------------------------------------
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
@@ -643,18 +693,28 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def _config_error(file: str, key: str, want: str, value: Any) -> ModelLoadError:
+    return ModelLoadError(f"{file}: {key} must be {want}, got {_shown(value)}")
+
+
 def _hf_chat_template(path: Path, config: Mapping[str, Any]) -> str | None:
     """The chat template, wherever this transformers version saved it."""
     jinja_file = path / "chat_template.jinja"
     if jinja_file.is_file():
-        return jinja_file.read_text(encoding="utf-8")
-    template = _read_json(path / "chat_template.json").get("chat_template") or config.get(
-        "chat_template"
-    )
+        try:
+            return jinja_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"cannot read {jinja_file}: {e}") from None
+    file, template = "chat_template.json", _read_json(path / "chat_template.json").get(
+        "chat_template")
+    if not template:
+        file, template = "tokenizer_config.json", config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default") or next(iter(named.values()), None)
-    return template if isinstance(template, str) else None
+    if template is not None and not isinstance(template, str):
+        raise _config_error(file, "chat_template", "a string", template)
+    return template
 
 
 # --- user text --------------------------------------------------------------------------------
@@ -684,20 +744,6 @@ def _check_strings(value: Any, where: str) -> None:
             _check_strings(v, f"{where}[{i}]")
 
 
-# --- chat template limits ---------------------------------------------------------------------
-# A chat template is code from the model file: untrusted. Jinja's sandbox stops escapes;
-# these bound what one render may cost, so a hostile template fails fast with one line
-# instead of holding a tokenizer thread for ever or eating the machine's memory. Real
-# templates render in about a millisecond, a few KiB, macros nested a few deep.
-TEMPLATE_TIME_LIMIT_S = 1.0  # wall time of one render (checked at every template line)
-# Any string a template builds (by +, *, ~, %, format, join, filters, str methods), and its
-# output: 4 Mi characters is about a million tokens, more than any context kvloop serves.
-TEMPLATE_MAX_CHARS = 4 * 2**20
-TEMPLATE_MAX_ITEMS = 2**20  # any list or tuple a template builds with * or +
-TEMPLATE_MAX_MACRO_DEPTH = 64  # nested macro calls (tool-schema macros recurse ~10 deep)
-TEMPLATE_MAX_INT_BITS = 2**16  # integers built with * or ** (C-level big-int work)
-
-# The conversations a template is tried on at load, in turn until one renders: most
 # templates take the first; some refuse a system turn, some want the user to start.
 _SAMPLE_CHATS: tuple[list[dict[str, str]], ...] = (
     [
@@ -713,406 +759,3 @@ _SAMPLE_CHATS: tuple[list[dict[str, str]], ...] = (
     ],
     [{"role": "user", "content": "Hello!"}],
 )
-
-
-class TemplateLimitError(KvloopError):
-    """A chat template ran over a render limit (time, size, recursion)."""
-
-    def __init__(self, what: str) -> None:
-        super().__init__(f"chat template {what}")
-        self.what = what  # "timed out (over 1 s)": reads after "the template ..."
-
-
-class _TemplateRaised(jinja2.TemplateError):
-    """raise_exception() in a template: it refuses a conversation on purpose."""
-
-
-class _RenderBudget(threading.local):
-    """The limits of the render running on this thread (renders run on many threads)."""
-
-    deadline = math.inf
-    depth = 0
-
-
-_budget = _RenderBudget()
-
-
-def _check_time() -> None:
-    if time.monotonic() > _budget.deadline:
-        raise TemplateLimitError(f"timed out (over {TEMPLATE_TIME_LIMIT_S:g} s)")
-
-
-def _too_large(detail: str) -> TemplateLimitError:
-    return TemplateLimitError(f"went over its size limit: {detail}")
-
-
-def _check_chars(n: int, what: str) -> None:
-    if n > TEMPLATE_MAX_CHARS:
-        raise _too_large(
-            f"{what} would be {n} characters (limit {TEMPLATE_MAX_CHARS})"
-        )
-
-
-def _check_items(n: int, what: str) -> None:
-    if n > TEMPLATE_MAX_ITEMS:
-        raise _too_large(
-            f"{what} would have {n} items (limit {TEMPLATE_MAX_ITEMS})"
-        )
-
-
-def _weight(value: Any) -> int:
-    """About how many characters str(value) has, counted only until it passes
-    TEMPLATE_MAX_CHARS: cheap even on a list holding the same huge string a million times."""
-    total, stack = 0, [value]
-    while stack and total <= TEMPLATE_MAX_CHARS:
-        v = stack.pop()
-        if isinstance(v, str | bytes):
-            total += len(v)
-        elif isinstance(v, Mapping):
-            total += 2 + 4 * len(v)
-            stack.extend(v.keys())
-            stack.extend(v.values())
-        elif isinstance(v, list | tuple | set | frozenset):
-            total += 2 + 2 * len(v)
-            stack.extend(v)
-        elif isinstance(v, jinja2.runtime.Namespace):  # prints its attributes
-            total += 12
-            stack.append(object.__getattribute__(v, "_Namespace__attrs"))
-        else:
-            total += 4
-    return total
-
-
-def _check_binop(op: str, left: Any, right: Any) -> None:
-    """Refuse an operation whose result would be over a limit *before* Python builds it: one
-    C-level `'A' * 2**32` is out of reach of any later check."""
-    seqs = str | list | tuple
-    if op == "*":
-        for seq, n in ((left, right), (right, left)):
-            if isinstance(seq, seqs) and isinstance(n, int) and n > 0:
-                if not isinstance(seq, str):
-                    _check_items(len(seq) * n, "a repeated list")
-                _check_chars(_weight(seq) * n, "a repeated value")
-        if (isinstance(left, int) and isinstance(right, int)
-                and left.bit_length() + right.bit_length() > TEMPLATE_MAX_INT_BITS):
-            raise _too_large(f"an integer product of over {TEMPLATE_MAX_INT_BITS} bits")
-    elif op == "+" and isinstance(left, seqs) and isinstance(right, seqs):
-        if not isinstance(left, str):
-            _check_items(len(left) + len(right), "a joined list")
-        _check_chars(_weight(left) + _weight(right), "a joined value")
-    elif op == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
-        if abs(left) > 1 and left.bit_length() * right > TEMPLATE_MAX_INT_BITS:
-            raise _too_large(f"an integer power of over {TEMPLATE_MAX_INT_BITS} bits")
-    elif op == "%" and isinstance(left, str):
-        _check_printf(left, right)
-
-
-_MAX_JSON_INDENT = 64  # real templates indent tool schemas by 2 or 4
-
-_PRINTF_SPEC = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")
-_WIDTH = re.compile(r"\d+")
-
-
-def _check_width(digits: str) -> int:
-    if len(digits) > 9 or int(digits) > TEMPLATE_MAX_CHARS:
-        raise _too_large(f"a field width of {digits[:12]} characters")
-    return int(digits)
-
-
-def _check_printf(fmt: str, args: Any) -> None:
-    """`fmt % args`: each field is at most its width (or precision) plus all of `args`."""
-    bound = len(fmt)
-    for m in _PRINTF_SPEC.finditer(fmt):
-        bound += _weight(args)
-        for g in m.groups():
-            if g == "*":  # the width comes from args
-                values = args if isinstance(args, tuple) else (args,)
-                if any(isinstance(a, int) and abs(a) > TEMPLATE_MAX_CHARS for a in values):
-                    raise _too_large(f"a field width over {TEMPLATE_MAX_CHARS}")
-                bound += TEMPLATE_MAX_CHARS // 2  # two such fields are over the limit
-            elif g:
-                bound += _check_width(g)
-        _check_chars(bound, "a %-formatted string")
-
-
-def _check_str_format(fmt: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
-    """`fmt.format(*args, **kwargs)`, checked like `%`."""
-    try:
-        parsed = list(string.Formatter().parse(fmt))
-    except ValueError:
-        return  # str.format raises the same error itself
-    bound = len(fmt)
-    for _, name, spec, _ in parsed:
-        if name is None:
-            continue
-        bound += _weight(args) + _weight(kwargs)
-        for digits in _WIDTH.findall(spec or ""):
-            bound += _check_width(digits)
-        _check_chars(bound, "a formatted string")
-    nested = "{" in "".join(spec or "" for _, _, spec, _ in parsed)  # {:{w}}
-    if nested and any(isinstance(a, int) and abs(a) > TEMPLATE_MAX_CHARS
-                      for a in (*args, *kwargs.values())):
-        raise _too_large(f"a field width over {TEMPLATE_MAX_CHARS}")
-
-
-def _check_str_call(method: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-                    ) -> tuple[Any, ...]:
-    """Pre-check the str methods that can build far more text than they are given; returns
-    the arguments to call with (an iterator handed to join is read once, here)."""
-    text, name = method.__self__, method.__name__
-    if name in ("center", "ljust", "rjust", "zfill"):
-        width = args[0] if args else kwargs.get("width", 0)
-        if isinstance(width, int):
-            _check_chars(width, f"str.{name}()")
-    elif name == "expandtabs":
-        size = args[0] if args else kwargs.get("tabsize", 8)
-        if isinstance(size, int):
-            _check_chars(len(text) + text.count("\t") * size, "str.expandtabs()")
-    elif name == "replace" and len(args) >= 2:
-        _check_replace(text, args[0], args[1], args[2] if len(args) > 2 else -1)
-    elif name == "join" and args:
-        items = list(args[0])
-        _check_join(items, text)
-        args = (items, *args[1:])
-    elif name == "format":  # jinja < 3.1.5 hands str.format itself to call()
-        _check_str_format(text, args, kwargs)
-    elif name == "format_map" and args and isinstance(args[0], Mapping):
-        _check_str_format(text, (), args[0])
-    return args
-
-
-def _check_replace(text: str, old: Any, new: Any, count: Any) -> None:
-    if isinstance(old, str) and isinstance(new, str):
-        hits = text.count(old) if old else len(text) + 1
-        if isinstance(count, int) and count >= 0:
-            hits = min(hits, count)
-        _check_chars(len(text) + hits * len(new), "a replace()")
-
-
-def _check_join(items: list[Any], sep: Any) -> None:
-    _check_items(len(items), "a joined list")
-    _check_chars(_weight(items) + len(str(sep)) * len(items), "a join()")
-
-
-# Filters that turn their input into text: its size is checked before they do.
-_STRINGIFYING = frozenset({
-    "string", "tojson", "pprint", "replace", "indent", "center", "wordwrap", "truncate",
-    "title", "capitalize", "upper", "lower", "trim", "striptags", "urlize", "urlencode",
-    "wordcount", "format", "escape", "e", "forceescape", "safe", "xmlattr",
-})
-
-
-def _guarded_filter(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A filter that checks the time, pre-checks the size of what it would build (join,
-    center, indent, replace, format), and checks the size of what it built."""
-    signature = inspect.signature(fn)  # of the plain function, for jinja's async variants
-    # An async-variant filter whose plain function takes no context is called with the eval
-    # context first, which its wrapper drops: so do we, to bind the arguments by name.
-    wrapped = getattr(fn, "__wrapped__", None)
-    skip = int(getattr(fn, "jinja_async_variant", False) and wrapped is not None
-               and getattr(wrapped, "jinja_pass_arg", None) is None)
-    # The filtered value: the first parameter after any context jinja passes.
-    value_param = next((p for p in signature.parameters
-                        if p not in ("eval_ctx", "context", "environment", "env")), None)
-
-    @functools.wraps(fn)  # keeps jinja's pass_eval_context marker on the wrapper
-    def run(*args: Any, **kwargs: Any) -> Any:
-        _check_time()
-        try:
-            bound = signature.bind(*args[skip:], **kwargs)
-        except TypeError:
-            return fn(*args, **kwargs)  # the filter reports its own misuse
-        bound.apply_defaults()
-        a = bound.arguments
-        if name in _STRINGIFYING and value_param:  # str() of a huge list: one C-level call
-            _check_chars(_weight(a[value_param]), f"|{name}")
-        if name == "join":
-            a["value"] = list(a["value"])
-            _check_join(a["value"], a["d"])
-        elif name == "center" and isinstance(a["width"], int):
-            _check_chars(a["width"], "|center")
-        elif name == "indent":
-            text, width = str(a["s"]), a["width"]  # (weight checked above)
-            pad = width if isinstance(width, int) else len(str(width))
-            _check_chars(len(text) + (text.count("\n") + 1) * pad, "|indent")
-        elif name == "replace":
-            _check_replace(str(a["s"]), a["old"], a["new"], a["count"])
-        elif name == "format" and isinstance(a["value"], str):
-            _check_printf(a["value"], tuple(a["args"]) or dict(a["kwargs"]))
-        elif name in ("batch", "slice"):  # filled or counted out to this many, in C or in
-            count = a["linecount" if name == "batch" else "slices"]  # jinja's untraced code
-            if isinstance(count, int):
-                _check_items(count, f"|{name}")
-        elif name == "tojson" and a["indent"] is not None:
-            indent = a["indent"]  # repeated on every line, once per nesting level
-            width = indent if isinstance(indent, int) else len(str(indent))
-            if width > _MAX_JSON_INDENT:
-                raise _too_large(f"a |tojson indent of {width} (limit {_MAX_JSON_INDENT})")
-        out = fn(*args[:skip], *bound.args, **bound.kwargs)
-        if isinstance(out, str):
-            _check_chars(len(out), f"|{name}")
-        elif isinstance(out, list):
-            _check_items(len(out), f"|{name}")
-        return out
-
-    return run
-
-
-def _guarded_concat(chunks: Iterable[str]) -> str:
-    """The environment's `concat`, which joins every render's and macro's output: the
-    output-size limit, and a deadline check per chunk."""
-    parts, size = [], 0
-    for chunk in chunks:
-        size += len(chunk)
-        _check_chars(size, "the rendered text")
-        _check_time()
-        parts.append(chunk)
-    return "".join(parts)
-
-
-def _guarded_str_join(seq: Iterable[Any]) -> str:
-    """The `~` operator (compiled to runtime.str_join), size-checked before it joins."""
-    items = list(seq)
-    _check_chars(sum(_weight(x) for x in items), "a ~ concatenation")
-    parts = [str(x) for x in items]
-    _check_chars(sum(map(len, parts)), "a ~ concatenation")
-    return "".join(parts)
-
-
-def _checked_output(value: Any) -> Any:
-    """The environment's `finalize`: every `{{ value }}` passes here before str(value), one
-    C-level call that a list nesting huge strings would make huge."""
-    if not isinstance(value, str):
-        _check_chars(_weight(value), "an output value")
-    return value
-
-
-def _trace_lines(frame: types.FrameType, event: str, arg: Any) -> Any:
-    """Local trace function during a render: the deadline, at every line. This is what
-    stops loops that call nothing and print nothing (nested `for` over ranges), and long
-    Python loops inside filters (|wordwrap, |urlize, |groupby on megabytes of text)."""
-    if event == "line" and time.monotonic() > _budget.deadline:  # _check_time, inlined
-        _check_time()
-    return _trace_lines
-
-
-def _trace_calls(frame: types.FrameType, event: str, arg: Any) -> Any:
-    # Every Python frame of the render, jinja's runtime and filters included: their loops
-    # over a template's (size-limited) values can run for seconds too. C-level work is what
-    # the size pre-checks bound. Not this module's own checks: short, and they run often.
-    return None if frame.f_code.co_filename == __file__ else _trace_lines
-
-
-class _LimitedSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
-    """The immutable sandbox, with every operation that can build big values checked
-    before it runs, and macro nesting bounded."""
-
-    intercepted_binops = frozenset({"*", "+", "**", "%"})
-
-    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any,
-                   right: Any) -> Any:
-        _check_binop(operator, left, right)
-        return super().call_binop(context, operator, left, right)
-
-    def call(__self, __context: jinja2.runtime.Context, __obj: Any,
-             *args: Any, **kwargs: Any) -> Any:
-        _check_time()
-        if isinstance(__obj, types.BuiltinMethodType) and isinstance(
-            getattr(__obj, "__self__", None), str
-        ):
-            args = _check_str_call(__obj, args, kwargs)
-        if not isinstance(__obj, jinja2.runtime.Macro):
-            return super().call(__context, __obj, *args, **kwargs)
-        if _budget.depth >= TEMPLATE_MAX_MACRO_DEPTH:
-            raise TemplateLimitError(
-                f"recursed too deep (macros nested over {TEMPLATE_MAX_MACRO_DEPTH} deep)"
-            )
-        _budget.depth += 1
-        try:
-            return super().call(__context, __obj, *args, **kwargs)
-        finally:
-            _budget.depth -= 1
-
-    def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
-        wrapper = super().wrap_str_format(value)
-        if wrapper is None:
-            return None
-        fmt, is_map = value.__self__, value.__name__ == "format_map"
-
-        def checked(*args: Any, **kwargs: Any) -> str:
-            if is_map and len(args) == 1 and isinstance(args[0], Mapping):
-                _check_str_format(fmt, (), args[0])
-            else:
-                _check_str_format(fmt, args, kwargs)
-            out = wrapper(*args, **kwargs)
-            _check_chars(len(out), "str.format()")
-            return out
-
-        return checked
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text or type(e).__name__
-
-
-def _render(template: jinja2.Template, **context: Any) -> str:
-    """Render under the TEMPLATE_* limits; any failure is one KvloopError line."""
-    previous = sys.gettrace()
-    _budget.deadline = time.monotonic() + TEMPLATE_TIME_LIMIT_S
-    _budget.depth = 0
-    sys.settrace(_trace_calls)
-    try:
-        return template.render(**context)
-    except KvloopError:
-        raise
-    except RecursionError:
-        raise TemplateLimitError("recursed too deep (Python's recursion limit)") from None
-    except MemoryError:
-        raise TemplateLimitError("ran out of memory") from None
-    except jinja2.TemplateError as e:
-        # raise_exception() in templates reports bad conversations ("roles must alternate").
-        raise KvloopError(f"chat template error: {_one_line(e)}") from e
-    except Exception as e:  # a bug in the template (or an operand it cannot take)
-        raise KvloopError(f"chat template error: {type(e).__name__}: {_one_line(e)}") from e
-    finally:
-        sys.settrace(previous)
-        _budget.deadline = math.inf
-
-
-# --- chat template rendering ------------------------------------------------------------------
-def _raise_exception(message: str) -> None:
-    raise _TemplateRaised(message)
-
-
-def _tojson(
-    value: Any, ensure_ascii: bool = False, indent: int | None = None, sort_keys: bool = False
-) -> str:
-    # jinja's own tojson HTML-escapes (<, >, &), which would change the prompt text.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-@cache
-def _compile_template(source: str) -> jinja2.Template:
-    # Templates come from model files: untrusted code, hence the immutable sandbox, with the
-    # TEMPLATE_* limits on top.
-    env = _LimitedSandbox(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols],
-        finalize=_checked_output,
-    )
-    env.concat = _guarded_concat  # type: ignore[method-assign]
-    env.filters["tojson"] = _tojson
-    env.filters = {name: _guarded_filter(name, fn) for name, fn in env.filters.items()}
-    del env.globals["lipsum"]  # lipsum(n=10**9): a loop in jinja's code, out of the trace's reach
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    template = env.from_string(source)
-    # `~` compiles to a call of the module-level str_join: size-check it in this template's
-    # namespace (root and macros share it).
-    namespace = template.root_render_func.__globals__
-    namespace["str_join"] = namespace["markup_join"] = _guarded_str_join
-    return template
