@@ -30,11 +30,16 @@ import llguidance as llg
 from kvloop.errors import InvalidParamsError
 
 # Depth of a JSON schema: its JSON nesting, a `$ref` counting as one level plus its
-# target's depth. Real schemas (OpenAI allows 10 levels of objects) stay far below.
-MAX_SCHEMA_DEPTH = 128
+# target's depth. Real schemas (OpenAI allows 10 levels of objects) stay far below; the
+# JSON reader inside llguidance stops at 128 levels, wrapping included, and a forced tool
+# call wraps the parameters in ~6 more, so 100 keeps every accepted schema compilable.
+MAX_SCHEMA_DEPTH = 100
 MAX_LARK_RULES = 2000  # rules and terminals of one Lark grammar
 MAX_LARK_DEPTH = 128  # longest chain of rules each naming the next
-MAX_NESTING = 64  # ( [ nesting inside one Lark rule, and group nesting inside a regex
+# Bracket nesting inside one Lark rule: llguidance's own parser refuses past 28 ("too deeply
+# nested"); checked here too so the message names the limit.
+MAX_LARK_NESTING = 28
+MAX_REGEX_NESTING = 64  # groups inside groups in one regex
 MAX_REGEX_CHARS = 10_000  # one regex: the regex constraint, a Lark /.../ or a "pattern"
 
 # llguidance's own limits (llguidance.LLParserLimits), set rather than left to defaults
@@ -82,7 +87,7 @@ def _over(what: str, value: int | str, limit: int, param: str) -> InvalidParamsE
 
 # --- regexes -------------------------------------------------------------------------------
 def check_regex(regex: str, where: str = "structured.regex") -> None:
-    """A regex's length and group nesting, within MAX_REGEX_CHARS and MAX_NESTING."""
+    """A regex's length and group nesting, within MAX_REGEX_CHARS and MAX_REGEX_NESTING."""
     if len(regex) > MAX_REGEX_CHARS:
         raise _over(f"{where}: regex length", len(regex), MAX_REGEX_CHARS, "structured")
     depth = deepest = 0
@@ -101,8 +106,8 @@ def check_regex(regex: str, where: str = "structured.regex") -> None:
             deepest = max(deepest, depth)
         elif ch == ")":
             depth = max(0, depth - 1)
-    if deepest > MAX_NESTING:
-        raise _over(f"{where}: regex group nesting", deepest, MAX_NESTING, "structured")
+    if deepest > MAX_REGEX_NESTING:
+        raise _over(f"{where}: regex group nesting", deepest, MAX_REGEX_NESTING, "structured")
 
 
 # --- JSON schemas --------------------------------------------------------------------------
@@ -203,9 +208,9 @@ def _body_names(text: str, start: int, end: int) -> Iterator[str]:
             pos = _inline_schema(text, pos)
         elif piece in "([{":
             depth += 1
-            if depth > MAX_NESTING:
-                raise _over("structured.grammar: bracket nesting", f"more than {MAX_NESTING}",
-                            MAX_NESTING, "structured")
+            if depth > MAX_LARK_NESTING:
+                raise _over("structured.grammar: bracket nesting",
+                            f"more than {MAX_LARK_NESTING}", MAX_LARK_NESTING, "structured")
         elif piece in ")]}":
             depth = max(0, depth - 1)
         elif piece.startswith("/") and not piece.startswith("//"):
