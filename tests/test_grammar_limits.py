@@ -16,6 +16,7 @@ stack and segfaulted the server. Pinned here:
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -133,6 +134,9 @@ def test_regexes_inside_lark_and_schemas_are_bounded() -> None:
     assert "regex length" in refused(StructuredOutput(grammar=f"start: /{long}/"))
     msg = refused(StructuredOutput(json_schema={"type": "string", "pattern": long}))
     assert "pattern: regex length" in msg
+    msg = refused(StructuredOutput(json_schema={"type": "object",
+                                                "patternProperties": {long: {}}}))
+    assert "patternProperties: regex length" in msg
 
 
 def test_schema_depth_at_and_past_the_limit() -> None:
@@ -290,7 +294,7 @@ def _gen_regex(rng: Any) -> StructuredOutput:
 def test_generated_grammars_never_crash() -> None:
     r = run_python(FUZZ, timeout=600)
     assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
-    counts = eval(r.stdout.strip().splitlines()[-1])  # the child's dict of outcomes
+    counts = ast.literal_eval(r.stdout.strip().splitlines()[-1])  # the child's outcomes
     assert counts["refused"] > 0 and counts["compiled"] > 0, counts
 
 

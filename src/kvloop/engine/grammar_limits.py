@@ -140,6 +140,10 @@ class _SchemaDepth:
                 deepest = max(deepest, self.ref(value, level + 1))
             elif key == "pattern" and isinstance(value, str):
                 check_regex(value, f"{self.where} pattern")
+            elif key == "patternProperties" and isinstance(value, dict):
+                for regex in value:  # each key is a regex too
+                    check_regex(str(regex), f"{self.where} patternProperties")
+                deepest = max(deepest, self.depth(value, level + 1))
             else:
                 deepest = max(deepest, self.depth(value, level + 1))
         return 1 + deepest
