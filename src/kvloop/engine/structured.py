@@ -26,6 +26,14 @@ import torch
 # kernel kvloop does not use and pulls in dynamo and inductor (2 s of every start).
 from llguidance.numpy import fill_next_token_bitmask
 
+from kvloop.engine.grammar_limits import (
+    MAX_SCHEMA_DEPTH,
+    PARSER_LIMITS,
+    check_lark,
+    check_regex,
+    check_schema,
+    on_compile_thread,
+)
 from kvloop.errors import InvalidParamsError
 from kvloop.loading.tokenizer import Tokenizer
 from kvloop.params import StructuredOutput
@@ -45,16 +53,20 @@ JSON_OPTIONS: Any = {"whitespace_flexible": False, "item_separator": ", ",
 
 
 def grammar_text(so: StructuredOutput) -> str:
-    """llguidance's grammar for a constraint (its JSON or Lark form)."""
+    """llguidance's grammar for a constraint (its JSON or Lark form); InvalidParamsError
+    naming the limit for one deeper or larger than grammar_limits allows (checked first:
+    nothing native sees it before)."""
     if so.json_schema is not None:
         schema = (so.json_schema if isinstance(so.json_schema, dict)
                   else _parse_schema(so.json_schema))
+        check_schema(schema)
         return llg.LLMatcher.grammar_from_json_schema(  # type: ignore[no-any-return]
             schema, defaults=JSON_OPTIONS)
     if so.json_object:
         return llg.LLMatcher.grammar_from_json_schema(  # type: ignore[no-any-return]
             {"type": "object"}, defaults=JSON_OPTIONS)
     if so.regex is not None:
+        check_regex(so.regex)
         return llg.LLMatcher.grammar_from_regex(so.regex)  # type: ignore[no-any-return]
     if so.choice is not None:
         # Lark string literals are JSON strings: json.dumps quotes and escapes each choice.
@@ -62,6 +74,7 @@ def grammar_text(so: StructuredOutput) -> str:
         return llg.LLMatcher.grammar_from_lark(  # type: ignore[no-any-return]
             f"start: {alternatives}")
     assert so.grammar is not None
+    check_lark(so.grammar)
     return llg.LLMatcher.grammar_from_lark(so.grammar)  # type: ignore[no-any-return]
 
 
@@ -78,11 +91,19 @@ def schema_error(schema: dict) -> str | None:
     """Why a JSON schema cannot be compiled (checked without a tokenizer), or None: for
     schemas that arrive inside something else, such as a tool's parameters."""
     try:
-        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
-            grammar_text(StructuredOutput(json_schema=schema)))
+        check_schema(schema, "schema")  # worded for where the schema came from
+        is_error, messages = on_compile_thread(_validate, grammar_text(
+            StructuredOutput(json_schema=schema)), None)
+    except InvalidParamsError as e:
+        return str(e)
     except Exception as e:  # llguidance's own refusal (an unreadable schema)
         return one_line(str(e))
     return (one_line(messages[0]) if messages else "invalid schema") if is_error else None
+
+
+def _validate(text: str, tokenizer: llg.LLTokenizer | None) -> tuple[bool, list[str]]:
+    return llg.LLMatcher.validate_grammar_with_warnings(  # type: ignore[no-any-return]
+        text, tokenizer, limits=PARSER_LIMITS)
 
 
 def _parse_schema(text: str) -> dict:
@@ -91,6 +112,9 @@ def _parse_schema(text: str) -> dict:
     except json.JSONDecodeError as e:
         raise InvalidParamsError(f"json_schema is not valid JSON: {e}",
                                  param="structured") from None
+    except RecursionError:  # nested deeper than Python's parser goes: far past the limit
+        raise InvalidParamsError(f"structured.json_schema: schema depth is over the limit "
+                                 f"of {MAX_SCHEMA_DEPTH}", param="structured") from None
     if not isinstance(schema, dict):
         raise InvalidParamsError("json_schema must be a JSON object", param="structured")
     return schema
@@ -171,17 +195,18 @@ class GrammarCompiler:
         if text in self._compiled:
             self._compiled.move_to_end(text)
             return self._compiled[text]
-        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(
-            text, self._ll_tokenizer())
-        result: llg.LLMatcher | str
-        if is_error:
-            result = one_line(messages[0]) if messages else "invalid grammar"
-        else:
-            result = self._probe(llg.LLMatcher(self._ll_tokenizer(), text, log_level=0))
+        result = on_compile_thread(self._compile_new, text, self._ll_tokenizer())
         self._compiled[text] = result
         if len(self._compiled) > MAX_CACHED_GRAMMARS:
             self._compiled.popitem(last=False)
         return result
+
+    def _compile_new(self, text: str, tokenizer: llg.LLTokenizer) -> llg.LLMatcher | str:
+        """Run on the compile thread: the native compiler recurses on its stack."""
+        is_error, messages = _validate(text, tokenizer)
+        if is_error:
+            return one_line(messages[0]) if messages else "invalid grammar"
+        return self._probe(llg.LLMatcher(tokenizer, text, log_level=0, limits=PARSER_LIMITS))
 
     def _probe(self, m: llg.LLMatcher) -> llg.LLMatcher | str:
         """`m`, or why its grammar cannot serve. A grammar can be valid and still match no
