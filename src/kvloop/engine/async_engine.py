@@ -141,6 +141,39 @@ class AsyncEngine:
         self._stats: SchedulerStats = engine.stats()
         self._thread = threading.Thread(target=self._run, name="kvloop-engine", daemon=True)
 
+    @classmethod
+    def build(cls, factory: Callable[[], LLMEngine], max_waiting: int | None = None,
+              observer: OutputObserver | None = None) -> AsyncEngine:
+        """Construct the engine on the thread that will run it, start that thread's loop,
+        and return once the engine is ready (a load error is raised here, in the caller).
+
+        Why the same thread: OpenMP (libgomp, under torch and the native kernels) keeps one
+        pool of worker threads per thread that opens parallel regions. Loading a model on
+        the main thread leaves a pool there; the loop thread then makes a second, and once
+        libgomp manages more threads than there are CPUs, its workers stop spin-waiting
+        between parallel regions and sleep on a futex instead. A decode step opens hundreds
+        of short regions, so each step paid a wake-up per region: on 2 cores the default
+        model's native step took 8.9 ms a token on a second thread against 4.4 ms on the
+        first (benchmarks/bench_serving.py; see README's Serving section). Built here, the
+        model's every parallel region opens on this one thread."""
+        ready: queue.SimpleQueue[AsyncEngine | BaseException] = queue.SimpleQueue()
+
+        def main() -> None:
+            try:
+                aeng = cls(factory(), max_waiting, observer)
+            except BaseException as e:  # handed to the caller, raised there
+                ready.put(e)
+                return
+            aeng._thread = threading.current_thread()  # start() finds it alive
+            ready.put(aeng)
+            aeng._run()
+
+        threading.Thread(target=main, name="kvloop-engine", daemon=True).start()
+        got = ready.get()
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
         if not self._thread.is_alive():

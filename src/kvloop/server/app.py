@@ -64,12 +64,18 @@ class ServerSettings:
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # larger request heads get 431
 
 
-def create_app(engine: LLMEngine, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(engine: LLMEngine | AsyncEngine,
+               settings: ServerSettings | None = None) -> FastAPI:
     """An app that owns `engine` through an AsyncEngine thread, started and stopped with
-    the app's lifespan."""
+    the app's lifespan. `kvloop serve` passes an AsyncEngine.build one (the model loaded on
+    the thread that runs it: see there why that matters for speed)."""
     settings = settings or ServerSettings()
+    if isinstance(engine, AsyncEngine):
+        async_engine, engine = engine, engine.engine
+        async_engine.max_waiting = settings.max_waiting
+    else:
+        async_engine = AsyncEngine(engine, settings.max_waiting)
     model_name = settings.model_name or engine.checkpoint.name
-    async_engine = AsyncEngine(engine, settings.max_waiting)
     metrics = ServerMetrics(async_engine.stats)
     async_engine.observer = metrics
     serving = OpenAIServing(async_engine, model_name, settings.max_prompts_per_request,

@@ -125,11 +125,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     # Deferred: torch and FastAPI take seconds to import.
     from kvloop.config import EngineConfig
+    from kvloop.engine.async_engine import AsyncEngine
     from kvloop.engine.llm_engine import LLMEngine
     from kvloop.server.app import ServerSettings, create_app
     from kvloop.server.lifecycle import build_server
 
-    engine = LLMEngine(args.model, EngineConfig(**engine_options(args)))
+    config = EngineConfig(**engine_options(args))  # a bad option: refused before loading
+    # Loaded on the engine's own thread, which then runs it (AsyncEngine.build: why).
+    engine = AsyncEngine.build(lambda: LLMEngine(args.model, config))
     app = create_app(engine, ServerSettings(
         model_name=args.served_model_name, api_key=api_key, max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes, max_prompts_per_request=args.max_prompts_per_request,

@@ -1,0 +1,66 @@
+"""The served engine runs on the thread that loaded it (AsyncEngine.build).
+
+Why it matters is a speed effect (libgomp keeps one worker pool per thread that opens
+parallel regions; two pools on a 2-core machine stop its workers spin-waiting, and the
+native decode step took 2x as long: see AsyncEngine.build). Speed is a benchmark's to show
+(bench_serving.py); this pins the mechanism: the model is built, and every step runs, on
+one thread, and `kvloop serve` uses that path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+
+import pytest
+
+from kvloop.config import EngineConfig
+from kvloop.engine.async_engine import AsyncEngine
+from kvloop.engine.llm_engine import LLMEngine
+from kvloop.errors import KvloopError
+from kvloop.params import SamplingParams
+
+
+def test_model_built_and_stepped_on_one_thread(tiny_model_dir) -> None:
+    threads: dict[str, set[int]] = {"build": set(), "step": set()}
+
+    def factory() -> LLMEngine:
+        threads["build"].add(threading.get_ident())
+        engine = LLMEngine(str(tiny_model_dir), EngineConfig(kv_cache_memory="16MiB"))
+        step = engine.step
+
+        def recorded_step():  # type: ignore[no-untyped-def]
+            threads["step"].add(threading.get_ident())
+            return step()
+
+        engine.step = recorded_step  # type: ignore[method-assign]
+        return engine
+
+    aeng = AsyncEngine.build(factory)
+    assert threads["build"] and threading.get_ident() not in threads["build"]
+
+    async def generate() -> str:
+        aeng.start()  # already running: a no-op
+        stream = await aeng.add_request(
+            "r", "The quick", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        outs = [out async for out in stream]
+        return outs[-1].outputs[0].text
+
+    try:
+        text = asyncio.run(generate())
+    finally:
+        aeng.shutdown()
+    assert text
+    assert threads["step"] == threads["build"]  # every step on the loading thread
+
+
+def test_build_error_is_raised_in_the_caller(tmp_path) -> None:
+    with pytest.raises(KvloopError):
+        AsyncEngine.build(lambda: LLMEngine(str(tmp_path / "missing.gguf"), EngineConfig()))
+
+
+def test_serve_builds_its_engine_on_the_engine_thread() -> None:
+    from kvloop.server import cli
+
+    assert "AsyncEngine.build(" in inspect.getsource(cli.cmd_serve)
