@@ -370,6 +370,32 @@ def test_oversized_headers_get_431(target: Target) -> None:
     assert_whole(target)
 
 
+@pytest.mark.parametrize("extra", [
+    b"X-Big: " + b"a" * 70_000 + b"\r\n",  # one 70 KB header
+    b"".join(b"X-H%d: v\r\n" % i for i in range(6000)),  # ~59 KB of 6,000 small ones
+], ids=["one-70KB-header", "6000-headers"])
+def test_head_over_the_limit_in_one_read_gets_431(target: Target, extra: bytes) -> None:
+    """h11 checks its limit only while the head is incomplete: one sendall of the whole head
+    (parsed in one read) must be held to the limit too (issue 25, item 6)."""
+    with _connect(target) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + extra + b"\r\n")
+        data, _ = _read_until_closed(s, limit=10)
+    assert _status(data) == 431, data[:200]
+    assert _json_error(data)["code"] == "headers_too_large"
+    assert "16384 bytes" in _json_error(data)["message"]
+    assert_whole(target)
+
+
+def test_head_just_under_the_limit_is_served(target: Target) -> None:
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Pad: "
+    head += b"a" * (16 * 1024 - len(head) - 64) + b"\r\n\r\n"
+    assert len(head) < 16 * 1024
+    with _connect(target) as s:
+        s.sendall(head)
+        data, _ = _read_until_closed(s, limit=10)
+    assert _status(data) == 200, data[:200]
+
+
 def test_connections_over_the_cap_get_503(tiny_model_dir: Path) -> None:
     cap = 6
     with serve(tiny_model_dir, max_connections=cap, header_timeout=30.0) as server:
