@@ -31,6 +31,19 @@ SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
 MAX_ARRAY_DEPTH = 8  # arrays of arrays: deeper is a crafted file
+# A Python object per array entry costs ~30-100 bytes against the file's 1-8, so the arrays
+# of a crafted file are bounded before any is built (README's Security section):
+# - tokens, scores and token types hold one entry per vocabulary entry: at most the
+#   `<arch>.vocab_size` key (when it came first) and never over MAX_VOCAB (the largest
+#   published vocabularies hold ~262k); after the header, at most the embedding's rows;
+# - merges: at most MAX_MERGES;
+# - any other key's array over MAX_KEPT_ARRAY entries is skipped, not built (kvloop reads
+#   no such array; its value is a SkippedArray saying what was there).
+MAX_VOCAB = 1 << 20
+MAX_MERGES = 1 << 21
+MAX_KEPT_ARRAY = 1 << 16
+VOCAB_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
+MERGES_KEY = "tokenizer.ggml.merges"
 
 V = gguf.GGUFValueType
 _SCALARS: dict[int, str] = {  # value type -> struct format (little-endian)
@@ -46,6 +59,14 @@ _ITEM_DTYPES: dict[int, type] = {
     gguf.GGMLQuantizationType.I16: np.int16, gguf.GGMLQuantizationType.I32: np.int32,
     gguf.GGMLQuantizationType.I64: np.int64,
 }
+
+
+@dataclass(frozen=True)
+class SkippedArray:
+    """The value of a metadata array too long to build that kvloop never reads."""
+
+    element_type: int
+    count: int
 
 
 @dataclass(frozen=True)
@@ -109,7 +130,18 @@ class GGUFHeader:
         except UnicodeDecodeError:
             raise ValueError(f"{what} is not UTF-8 text") from None
 
-    def _value(self, vtype: int, what: str, depth: int = 0) -> Any:
+    def _array_limit(self, key: str) -> tuple[int, bool]:
+        """(most entries, refuse beyond it: else skip) for the array under `key`."""
+        if key in VOCAB_KEYS:
+            vocab = self.metadata.get(f"{self.metadata.get('general.architecture')}.vocab_size")
+            if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
+                return min(vocab, MAX_VOCAB), True
+            return MAX_VOCAB, True
+        if key == MERGES_KEY:
+            return MAX_MERGES, True
+        return MAX_KEPT_ARRAY, False
+
+    def _value(self, vtype: int, what: str, depth: int = 0, key: str | None = None) -> Any:
         if vtype in _SCALARS:
             return self._scalar(_SCALARS[vtype], what)
         if vtype == V.STRING:
@@ -120,6 +152,14 @@ class GGUFHeader:
             raise ValueError(f"{what} nests arrays more than {MAX_ARRAY_DEPTH} deep")
         etype = self._scalar("<I", what)
         count = self._scalar("<Q", what)
+        if key is not None:  # a key's own array (not one nested in it)
+            limit, refuse = self._array_limit(key)
+            if count > limit and refuse:
+                raise ValueError(f"{what} holds {count} entries, more than {limit} (the "
+                                 "vocabulary size, or kvloop's cap for this key)")
+            if count > limit:
+                self._skip_array(etype, count, what, depth)
+                return SkippedArray(etype, count)
         if etype in _NUMPY:  # numbers: one view, converted whole
             dtype = _NUMPY[etype]
             self._need(count * dtype.itemsize, what)
@@ -129,6 +169,26 @@ class GGUFHeader:
         # Strings (or arrays): each element takes at least 8 bytes of length.
         self._need(count * 8, what)
         return [self._value(etype, what, depth + 1) for _ in range(count)]
+
+    def _skip_array(self, etype: int, count: int, what: str, depth: int) -> None:
+        """Move past an array's elements without building them."""
+        if etype in _NUMPY:
+            self._need(count * _NUMPY[etype].itemsize, what)
+            self._pos += count * _NUMPY[etype].itemsize
+            return
+        self._need(count * 8, what)
+        for _ in range(count):
+            if etype == V.STRING:
+                n = self._scalar("<Q", what)
+                self._need(n, what)
+                self._pos += n
+            elif etype == V.ARRAY:
+                if depth + 1 >= MAX_ARRAY_DEPTH:
+                    raise ValueError(f"{what} nests arrays more than {MAX_ARRAY_DEPTH} deep")
+                inner, n = self._scalar("<I", what), self._scalar("<Q", what)
+                self._skip_array(inner, n, what, depth + 1)
+            else:
+                raise ValueError(f"{what} has unknown value type {etype}")
 
     def _read(self) -> None:
         if self._scalar("<I", "the magic number") != GGUF_MAGIC:
@@ -147,7 +207,7 @@ class GGUFHeader:
             if key in self.metadata:
                 raise ValueError(f"duplicate metadata key {key!r:.60}")
             vtype = self._scalar("<I", f"metadata {key!r:.60}")
-            self.metadata[key] = self._value(vtype, f"metadata {key!r:.60}")
+            self.metadata[key] = self._value(vtype, f"metadata {key!r:.60}", key=key)
         infos = []
         for i in range(n_tensors):
             name = self._string(f"tensor name {i}")
@@ -172,6 +232,19 @@ class GGUFHeader:
             if name in names:
                 raise ValueError(f"duplicate tensor {name!r:.60}")
             names.add(name)
+        self._check_vocabulary()
+
+    def _check_vocabulary(self) -> None:
+        """Tokens, scores and token types: one per row of the token embedding, at most."""
+        embedding = next((t for t in self.tensors if t.name == "token_embd.weight"), None)
+        if embedding is None or len(embedding.shape) != 2:
+            return
+        rows = embedding.shape[1]
+        for key in VOCAB_KEYS:
+            value = self.metadata.get(key)
+            if isinstance(value, list) and len(value) > rows:
+                raise ValueError(f"metadata {key!r} holds {len(value)} entries, more than "
+                                 f"the token embedding's {rows} rows")
 
     def _tensor(self, name: str, dims: tuple[int, ...], raw_type: int,
                 offset: int) -> TensorInfo:
