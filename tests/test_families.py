@@ -142,8 +142,9 @@ def test_config_mapping(family_dirs: dict[str, Path]) -> None:
     assert g2.tie_word_embeddings and g2.hidden_act == "gelu_pytorch_tanh"
 
 
-# Families whose layer the C++ decode step computes exactly; the others must be declined.
-NATIVE = {"llama", "llama3", "qwen2", "phi3"}
+# Families whose layers the C++ decode step computes (their windows included); the others
+# must be declined.
+NATIVE = {"llama", "llama3", "qwen2", "phi3", "mistral", "gemma3"}
 
 
 @pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
@@ -170,7 +171,7 @@ def test_native_step_takes_mistral_whose_window_never_bites(tmp_path: Path) -> N
 ], ids=["no-kernels", "no-cache", "chunked-prefix"])
 def test_module_path_families_on_every_engine_path(family: str, engine: dict[str, Any],
                                                    family_dirs: dict[str, Path]) -> None:
-    """The families the native step declines, on the other attention paths: greedy ids
+    """Windows, QK-norm and softcapping on the other engine paths: greedy ids
     equal transformers' (two rounds: the second reuses the cached prefix blocks). The
     prompts have one length: see test_decode_padding_reads_only_written_slots."""
     path = family_dirs[family]

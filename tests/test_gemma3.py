@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import add_bpe_tokenizer, write_tiny_gemma3
+from conftest import add_bpe_tokenizer, require_native_kernels, write_tiny_gemma3
 from kvloop import LLM, SamplingParams
 from kvloop.errors import ModelLoadError
 from kvloop.loading.loader import load_checkpoint
@@ -238,13 +238,15 @@ def test_chunked_prefill_and_prefix_cache(gemma_dir: Path, hf_gemma: Any) -> Non
     assert llm.engine.kv.stats().prefix_hits >= 3 * 16  # the shared blocks, each prompt
 
 
-def test_native_step_declines_gemma(gemma_dir: Path) -> None:
-    """The C++ decoder hard-codes the Llama layer: it must say so, never run Gemma."""
+def test_native_step_runs_gemma(gemma_dir: Path) -> None:
+    """The C++ decoder computes Gemma 3's layer from its description (parity:
+    tests/test_native_families.py), prefill included, over the sliding groups' tables."""
+    require_native_kernels()
     llm = LLM(gemma_dir, kv_cache_memory=KV)
     model = llm.engine.model
-    assert build_native_decoder(model) is None
-    assert not native_prefill_ready(model)
-    assert llm.engine.runner.decoder is None
+    assert build_native_decoder(model) is not None
+    assert native_prefill_ready(model)
+    assert llm.engine.runner.decoder is not None
 
 
 def test_final_logit_softcapping(tmp_path: Path) -> None:

@@ -125,9 +125,9 @@ class ModelRunner:
         # path for large inputs (native_prefill_ready) it serves every step, prefill
         # included; otherwise decode-only steps of up to native_max_rows sequences, and
         # larger batches stay on the modules' GEMMs.
-        # (One KV cache group only: it reads one block table.)
-        self.decoder = (build_native_decoder(model)
-                        if self.use_kernels and len(self.kv_groups) == 1 else None)
+        # Each layer follows its KV cache group's block table.
+        self.decoder = (build_native_decoder(model, self.layer_group)
+                        if self.use_kernels else None)
         self.native_max_rows = NATIVE_MAX_ROWS
         self.native_prefill = self.decoder is not None and native_prefill_ready(model)
         self._generators: dict[str, torch.Generator] = {}
@@ -320,10 +320,12 @@ class ModelRunner:
         query_start = (torch.tensor([0, *itertools.accumulate(s.num_tokens for s in seqs)])
                        if sched.prefills else None)
         data, scales = native_kv_args(self.kv_caches)
+        # Group 0's table gives `slots`; the other groups' tables go alongside.
+        groups = [padded_block_tables(seqs, g) for g in range(1, len(self.kv_groups))]
         return self.decoder.forward(  # type: ignore[no-any-return]
             torch.tensor(ids), torch.tensor(pos), data, torch.tensor(slots),
             padded_block_tables(seqs), torch.tensor([s.context_len for s in seqs]), bs,
-            query_start, scales)
+            query_start, scales, groups or None)
 
     def _metadata(self, sched: SchedulerOutput, pos: torch.Tensor) -> AttentionMetadata:
         meta = AttentionMetadata(num_decodes=len(sched.decodes))

@@ -1,7 +1,7 @@
 """What every architecture offers: the model interface the runner, the quantization pass and
 the native step call, and the record (`Architecture`) through which the loader reads a
-checkpoint of it: config mapping, tensor names and shapes, and whether the native step
-runs it.
+checkpoint of it: config mapping, tensor names and shapes, and how its layers map onto the
+native step's per-layer description (LayerSpec).
 """
 
 from __future__ import annotations
@@ -104,6 +104,45 @@ def _same_tensor(name: str, w: np.ndarray) -> np.ndarray:
     return w
 
 
+SILU, GELU_TANH = "silu", "gelu_pytorch_tanh"  # the gated MLPs' activations
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer as the native step computes it: its weights and the families'
+    differences as data (pre-norm with Llama's w or Gemma's folded 1 + w, Gemma's post-norms,
+    QK-norm, activation, attention scale and soft-capping, window, rope table). Linear
+    layers are the model's own modules (fused q/k/v with its bias, fused gate/up)."""
+
+    attn_norm: torch.Tensor  # [hidden] the factor the norm multiplies by
+    qkv: nn.Module  # [q; k; v] rows
+    o_proj: nn.Module
+    mlp_norm: torch.Tensor  # [hidden]
+    gate_up: nn.Module  # [gate; up] rows
+    down: nn.Module
+    scale: float  # attention: softmax(q . k * scale)
+    activation: str = SILU
+    # Gemma's "sandwich": each block's output normed before its residual add.
+    post_attn_norm: torch.Tensor | None = None  # [hidden]
+    post_mlp_norm: torch.Tensor | None = None  # [hidden]
+    q_norm: torch.Tensor | None = None  # [head_dim]: QK-norm, per head before rope
+    k_norm: torch.Tensor | None = None
+    window: int = 0  # sliding window (keys a query sees, its own included); 0: all
+    rope: int = 0  # index into ModelSpec.ropes
+    attn_softcap: float | None = None  # scores = cap * tanh(scores / cap) (Gemma 2)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A whole model as the native step computes it (kvloop.models.native)."""
+
+    layers: list[LayerSpec]
+    ropes: list[tuple[torch.Tensor, torch.Tensor]]  # (cos, sin) [max_positions, head_dim]
+    final_norm: torch.Tensor  # [hidden]
+    embed_scale: float = 1.0  # multiplies the embedding rows (Gemma: sqrt(hidden))
+    final_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+
+
 @dataclass(frozen=True)
 class Architecture:
     """One architecture as the loader and the engine see it."""
@@ -124,5 +163,6 @@ class Architecture:
     hf_config: Callable[[ConfigReader, ModelConfig], ModelConfig] = _same_config
     # A GGUF tensor as llama.cpp stores it -> the HF convention load_weights expects.
     gguf_tensor: Callable[[str, np.ndarray], np.ndarray] = _same_tensor
-    # Whether the native C++ decode step (kvloop.models.native) computes this architecture.
-    native: bool = False
+    # How a model of it maps onto the native step's description (kvloop.models.native);
+    # None: the native step does not run this architecture.
+    describe: Callable[[Any], ModelSpec] | None = None

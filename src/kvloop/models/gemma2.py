@@ -149,11 +149,11 @@ def _gguf_tensor(name: str, w: np.ndarray) -> np.ndarray:
 GGUF_LAYER_NAMES = {gg: hf for gg, hf in gemma3.GGUF_LAYER_NAMES.items()
                     if not hf.endswith(("q_norm.weight", "k_norm.weight"))}
 
-# The native step hard-codes the Llama layer: Gemma 2 runs on the modules.
+# Gemma 2 runs on the modules: the native step has no attention softcapping yet.
 ARCHITECTURES = (
     Architecture(
         name="gemma2", model_class=Gemma2ForCausalLM, tensor_shapes=gemma2_tensor_shapes,
         gguf_layer_names=GGUF_LAYER_NAMES, gguf_global_names=gemma3.GGUF_GLOBAL_NAMES,
         gguf_permute_qk=False, gguf_config=_gguf_config, hf_config=_hf_config,
-        gguf_tensor=_gguf_tensor, native=False),
+        gguf_tensor=_gguf_tensor),
 )

@@ -31,7 +31,15 @@ from kvloop.config import ModelConfig
 from kvloop.errors import ModelLoadError
 from kvloop.models import llama
 from kvloop.models.attention import AttentionMetadata, layer_metadata
-from kvloop.models.base import Architecture, ConfigReader, Dim, config_dims
+from kvloop.models.base import (
+    GELU_TANH,
+    Architecture,
+    ConfigReader,
+    Dim,
+    LayerSpec,
+    ModelSpec,
+    config_dims,
+)
 from kvloop.models.linear import Linear
 from kvloop.models.rope import RotaryEmbedding
 from kvloop.quant.kv import PagedKV
@@ -245,6 +253,34 @@ class Gemma3ForCausalLM(nn.Module):
             )
 
 
+def describe(model: Gemma3ForCausalLM) -> ModelSpec:
+    """Gemma's layer as the native step's description: (1 + w) norms (the folded `scale`)
+    before and after each block, QK-norm where the attention has it (Gemma 3, not 2),
+    GeGLU with tanh GELU, query_pre_attn_scalar**-0.5, attention softcapping (Gemma 2);
+    local layers their window and rope table 1 (the local base), global ones table 0.
+    Embeddings scaled by sqrt(hidden), logits by the final softcap."""
+    c = model.config
+    layers = []
+    for module in model.layers:
+        layer = cast(DecoderLayer, module)
+        attn, mlp = layer.self_attn, layer.mlp
+        qk_norm = attn.qk_norm_cls is not None
+        layers.append(LayerSpec(
+            attn_norm=layer.input_layernorm.scale.detach(), qkv=attn.qkv_proj,
+            o_proj=attn.o_proj, mlp_norm=layer.pre_feedforward_layernorm.scale.detach(),
+            gate_up=mlp.gate_up_proj, down=mlp.down_proj, scale=attn.scale,
+            activation=GELU_TANH,
+            post_attn_norm=layer.post_attention_layernorm.scale.detach(),
+            post_mlp_norm=layer.post_feedforward_layernorm.scale.detach(),
+            q_norm=attn.q_norm.scale.detach() if qk_norm else None,
+            k_norm=attn.k_norm.scale.detach() if qk_norm else None,
+            window=(c.sliding_window or 0) if layer.sliding else 0,
+            rope=1 if layer.sliding else 0, attn_softcap=attn.softcap))
+    ropes = [(model.rope.cos, model.rope.sin), (model.local_rope.cos, model.local_rope.sin)]
+    return ModelSpec(layers, ropes, model.norm.scale.detach(), embed_scale=model.embed_scale,
+                     final_softcap=c.final_logit_softcapping)
+
+
 def gemma3_tensor_shapes(c: ModelConfig) -> dict[str, tuple[Dim, ...]]:
     """HF name -> expected shape of every tensor a Gemma 3 checkpoint must hold: Llama's,
     and per layer the norms around the MLP and the QK-norm weights."""
@@ -375,13 +411,12 @@ GGUF_GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 
-# GGUF calls it "gemma3", a Gemma3ForCausalLM config.json "gemma3_text". The native step
-# hard-codes the Llama layer: Gemma runs on the modules.
+# GGUF calls it "gemma3", a Gemma3ForCausalLM config.json "gemma3_text".
 ARCHITECTURES = tuple(
     Architecture(
         name=name, model_class=Gemma3ForCausalLM, tensor_shapes=gemma3_tensor_shapes,
         gguf_layer_names=GGUF_LAYER_NAMES, gguf_global_names=GGUF_GLOBAL_NAMES,
         gguf_permute_qk=False, gguf_config=_gguf_config, hf_config=_hf_config,
-        gguf_tensor=_gguf_tensor, native=False)
+        gguf_tensor=_gguf_tensor, describe=describe)
     for name in ("gemma3", "gemma3_text")
 )

@@ -20,7 +20,14 @@ from torch import nn
 from kvloop.config import ModelConfig
 from kvloop.errors import ModelLoadError
 from kvloop.models.attention import AttentionMetadata, layer_metadata, paged_attention
-from kvloop.models.base import Architecture, ConfigReader, Dim, config_dims
+from kvloop.models.base import (
+    Architecture,
+    ConfigReader,
+    Dim,
+    LayerSpec,
+    ModelSpec,
+    config_dims,
+)
 from kvloop.models.linear import Linear
 from kvloop.models.rope import RotaryEmbedding
 from kvloop.quant import BlockLinear
@@ -362,6 +369,27 @@ def _no_extras(reader: ConfigReader, config: ModelConfig) -> ModelConfig:
     return config
 
 
+def describe(model: LlamaForCausalLM) -> ModelSpec:
+    """The Llama layer as the native step's description: pre-norms, SiLU, head_dim**-0.5;
+    Mistral's and Qwen2's sliding layers their window, Qwen2's biases in the fused q/k/v,
+    QK-norm where the attention has it (Qwen3)."""
+    c = model.config
+    layers = []
+    for i, module in enumerate(model.layers):
+        layer = cast(DecoderLayer, module)
+        attn, mlp = layer.self_attn, layer.mlp
+        qk_norm = attn.qk_norm_cls is not None
+        layers.append(LayerSpec(
+            attn_norm=layer.input_layernorm.weight.detach(), qkv=attn.qkv_proj,
+            o_proj=attn.o_proj, mlp_norm=layer.post_attention_layernorm.weight.detach(),
+            gate_up=mlp.gate_up_proj, down=mlp.down_proj, scale=attn.scale,
+            q_norm=attn.q_norm.weight.detach() if qk_norm else None,
+            k_norm=attn.k_norm.weight.detach() if qk_norm else None,
+            window=(c.sliding_window or 0) if model.sliding[i] else 0,
+            attn_softcap=attn.softcap))
+    return ModelSpec(layers, [(model.rope.cos, model.rope.sin)], model.norm.weight.detach())
+
+
 def _family(name: str, permute_qk: bool,
             hf_config: Callable[[ConfigReader, ModelConfig], ModelConfig] = _no_extras,
             ) -> Architecture:
@@ -371,14 +399,13 @@ def _family(name: str, permute_qk: bool,
     return Architecture(
         name=name, model_class=LlamaForCausalLM, tensor_shapes=llama_tensor_shapes,
         gguf_layer_names=GGUF_LAYER_NAMES, gguf_global_names=GGUF_GLOBAL_NAMES,
-        gguf_permute_qk=permute_qk, hf_config=read, native=True)
+        gguf_permute_qk=permute_qk, hf_config=read, describe=describe)
 
 
 # Llama, Mistral and Qwen2 share one implementation; Qwen2 differs by q/k/v biases, which
 # the config's attention_bias flag switches on, Mistral by its sliding window. llama.cpp's
 # converter permutes the Q/K rows of Llama and Mistral (its rope pairs neighbours) but not
-# of Qwen2. Llama 3's rope scaling is the config's rope_scaling (kvloop.models.rope). The
-# native step declines a model whose window bites (kvloop.models.native).
+# of Qwen2. Llama 3's rope scaling is the config's rope_scaling (kvloop.models.rope).
 ARCHITECTURES = (
     _family("llama", permute_qk=True),
     _family("mistral", permute_qk=True, hf_config=every_layer_sliding),

@@ -1,20 +1,22 @@
 """The native decode path: a model's weights handed to the C++ decoder (kvloop.kernels).
 
-The decoder runs a whole decode step (every layer, K/V written into the paged cache) in
-one call; it reads the same tensors as the PyTorch modules, nothing is copied. Prefill
-and anything the decoder does not cover stay on the modules, which are its reference.
+The decoder runs a whole step (every layer, K/V written into the paged cache of each
+layer's KV cache group) in one call; it reads the same tensors as the PyTorch modules,
+nothing is copied. What it computes per layer is the architecture's description
+(Architecture.describe -> kvloop.models.base.ModelSpec): one decoder for every family.
+Anything the decoder does not cover stays on the modules, which are its reference.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, cast
 
 import torch
 
 from kvloop import dispatch, kernels
 from kvloop.kernels.linear import native_linear
-from kvloop.models.base import CausalLM
-from kvloop.models.llama import DecoderLayer, LlamaForCausalLM
+from kvloop.models.base import GELU_TANH, SILU, CausalLM, LayerSpec, ModelSpec
 from kvloop.models.registry import get_architecture
 from kvloop.quant import BlockLinear, Int4Linear, Int8Linear
 from kvloop.quant.layout import F32, Q8, Q8B
@@ -33,19 +35,28 @@ def native_linear_of(module: object, float_acts: bool = False) -> Any:
                          float_acts=float_acts and kind in (Q8, Q8B))
 
 
+# The activations the native step computes (kvloop.models.base), by its codes.
+def _activation_codes() -> dict[str, int]:
+    k = kernels.native_module()
+    return {SILU: k.SILU, GELU_TANH: k.GELU_TANH}
+
+
+def describe(model: CausalLM) -> ModelSpec | None:
+    """The model as the native step's description (its architecture module's mapping), or
+    None for an architecture that gives none."""
+    mapping = get_architecture(model.config.architecture).describe
+    return None if mapping is None else mapping(model)
+
+
 def native_supported(model: CausalLM) -> bool:
-    """Whether the C++ decoder computes this model (it hard-codes the Llama layer: pre-norms
-    only, SiLU, no QK-norm, full attention, no softcapping). An architecture must say it is
-    that layer (Architecture.native); a model of it whose config asks for more (a sliding
-    window that can bite: Mistral, Phi-3, Qwen with use_sliding_window) is declined too.
-    Anything declined runs on the modules: a wrong answer is never the price of speed."""
-    c = model.config
-    if not get_architecture(c.architecture).native:
-        return False
-    window_bites = c.sliding_window is not None and c.sliding_window < \
-        c.max_position_embeddings and any(c.is_sliding(i) for i in range(c.num_layers))
-    return not (window_bites or c.hidden_act != "silu" or c.attn_logit_softcapping is not None
-                or c.final_logit_softcapping is not None)
+    """Whether the C++ decoder computes this model: its architecture describes its layers
+    (Architecture.describe) and no layer asks for what the decoder lacks (attention logit
+    soft-capping; an activation other than SiLU or tanh GELU). Anything declined runs on
+    the modules: a wrong answer is never the price of speed."""
+    spec = describe(model)
+    return spec is not None and all(
+        layer.attn_softcap is None and layer.activation in (SILU, GELU_TANH)
+        for layer in spec.layers)
 
 
 def attach_native_linears(model: CausalLM) -> None:
@@ -79,13 +90,15 @@ def native_prefill_ready(model: CausalLM) -> bool:
                if m is not head and isinstance(m, Int8Linear | Int4Linear | BlockLinear))
 
 
-def build_native_decoder(model: CausalLM) -> Any | None:
+def build_native_decoder(model: CausalLM, layer_group: Sequence[int] | None = None) -> Any | None:
     """A ``Decoder`` over the model's weights (attaching the quantized layers' kernels), or
-    None without the native kernels, for an architecture it does not compute, or when a
-    fp32 layer's dense weight was dropped."""
+    None without the native kernels, for a model it does not compute, or when a fp32
+    layer's dense weight was dropped. `layer_group`: per layer, the KV cache group whose
+    block table its cache follows (None: one group)."""
     if not kernels.available() or not native_supported(model):
         return None
-    model = cast(LlamaForCausalLM, model)  # the one layer shape the decoder computes
+    spec = describe(model)
+    assert spec is not None
     c = model.config
     head = model.lm_head
     # fp32 layers packed for oneDNN have no dense weight left to read; then the
@@ -110,13 +123,25 @@ def build_native_decoder(model: CausalLM) -> Any | None:
     # The embedding: its stored blocks (rows decoded as tokens look them up) or fp32.
     embed = (native(model.embed_stored) if model.embed_stored is not None
              else native_linear(F32, model.embed_tokens.detach(), c.hidden_size))
-    dec = kernels.native_module().Decoder(
-        c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, embed, model.rope.cos,
-        model.rope.sin, model.norm.weight.detach(), lm_head)
-    for layer in model.layers:
-        layer = cast(DecoderLayer, layer)
-        attn, mlp = layer.self_attn, layer.mlp
-        dec.add_layer(layer.input_layernorm.weight.detach(), native(attn.qkv_proj),
-                      native(attn.o_proj), layer.post_attention_layernorm.weight.detach(),
-                      native(mlp.gate_up_proj), native(mlp.down_proj))
+    k = kernels.native_module()
+    (cos, sin), *more_ropes = spec.ropes
+    dec = k.Decoder(c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps, embed, cos, sin,
+                    spec.final_norm, lm_head, embed_scale=spec.embed_scale,
+                    final_softcap=spec.final_softcap or 0.0)
+    for cos, sin in more_ropes:
+        dec.add_rope(cos, sin)
+    groups = layer_group or [0] * len(spec.layers)
+    for layer, group in zip(spec.layers, groups, strict=True):
+        dec.add_layer(layer.attn_norm, native(layer.qkv), native(layer.o_proj), layer.mlp_norm,
+                      native(layer.gate_up), native(layer.down), _layer_spec(k, layer, group),
+                      layer.post_attn_norm, layer.post_mlp_norm, layer.q_norm, layer.k_norm)
     return dec
+
+
+def _layer_spec(k: Any, layer: LayerSpec, group: int) -> Any:
+    """The C++ decoder's plain struct for one layer (its weights go alongside)."""
+    out = k.LayerSpec()
+    out.post_norms = layer.post_attn_norm is not None
+    out.activation = _activation_codes()[layer.activation]
+    out.scale, out.window, out.group, out.rope = layer.scale, layer.window, group, layer.rope
+    return out

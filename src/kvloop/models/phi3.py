@@ -85,11 +85,12 @@ GGUF_GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 
-# After fusing, the layer is Llama's exactly: the native step runs it (and declines a
-# model whose sliding window bites, see kvloop.models.native).
+# After fusing, the layer is Llama's exactly: the native step runs it as it runs Llama
+# (a sliding window included).
 ARCHITECTURES = (
     Architecture(
         name="phi3", model_class=Phi3ForCausalLM, tensor_shapes=phi3_tensor_shapes,
         gguf_layer_names=GGUF_LAYER_NAMES, gguf_global_names=GGUF_GLOBAL_NAMES,
-        gguf_permute_qk=False, gguf_config=_gguf_config, hf_config=_hf_config, native=True),
+        gguf_permute_qk=False, gguf_config=_gguf_config, hf_config=_hf_config,
+        describe=llama.describe),
 )

@@ -2,7 +2,7 @@
 
 Queries and keys are RMS-normed over head_dim (a plain RMSNorm, weight w, not Gemma's
 1 + w) per head, before rope; head_dim is explicit in the config (not hidden / heads);
-no q/k/v biases. The C++ decode step has no QK-norm, so Qwen3 runs on the modules.
+no q/k/v biases. Qwen3 runs on the modules (the native step is not yet tested on it).
 """
 
 from __future__ import annotations
@@ -50,5 +50,5 @@ ARCHITECTURES = (
     Architecture(
         name="qwen3", model_class=Qwen3ForCausalLM, tensor_shapes=qwen3_tensor_shapes,
         gguf_layer_names=GGUF_LAYER_NAMES, gguf_global_names=llama.GGUF_GLOBAL_NAMES,
-        gguf_permute_qk=False, hf_config=_hf_config, native=False),
+        gguf_permute_qk=False, hf_config=_hf_config),
 )

@@ -28,6 +28,7 @@ const char* compiled_isa() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using kvloop::Decoder;
+  using kvloop::LayerSpec;
   using kvloop::QLinear;
   using Release = py::call_guard<py::gil_scoped_release>;
   m.def("paged_attention_varlen", &kvloop::paged_attention_varlen,
@@ -64,14 +65,33 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("in_features", &QLinear::in_features)
       .def_property_readonly("weight_bytes", &QLinear::weight_bytes);
 
+  py::class_<LayerSpec>(m, "LayerSpec", py::module_local())
+      .def(py::init<>())
+      .def_readwrite("post_norms", &LayerSpec::post_norms)
+      .def_readwrite("activation", &LayerSpec::activation)
+      .def_readwrite("scale", &LayerSpec::scale)
+      .def_readwrite("window", &LayerSpec::window)
+      .def_readwrite("group", &LayerSpec::group)
+      .def_readwrite("rope", &LayerSpec::rope);
+  m.attr("SILU") = kvloop::kSiLU;
+  m.attr("GELU_TANH") = kvloop::kGeluTanh;
+
   py::class_<Decoder, std::shared_ptr<Decoder>>(m, "Decoder", py::module_local())
       .def(py::init<int64_t, int64_t, int64_t, double, std::shared_ptr<QLinear>, at::Tensor,
-                    at::Tensor, at::Tensor, std::shared_ptr<QLinear>>())
-      .def("add_layer", &Decoder::add_layer)
+                    at::Tensor, at::Tensor, std::shared_ptr<QLinear>, double, double>(),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"),
+           py::arg("embed"), py::arg("cos"), py::arg("sin"), py::arg("final_norm"),
+           py::arg("lm_head"), py::arg("embed_scale") = 1.0, py::arg("final_softcap") = 0.0)
+      .def("add_rope", &Decoder::add_rope, py::arg("cos"), py::arg("sin"))
+      .def("add_layer", &Decoder::add_layer, py::arg("attn_norm"), py::arg("qkv"),
+           py::arg("o_proj"), py::arg("mlp_norm"), py::arg("gate_up"), py::arg("down"),
+           py::arg("spec") = LayerSpec{}, py::arg("post_attn_norm") = py::none(),
+           py::arg("post_mlp_norm") = py::none(), py::arg("q_norm") = py::none(),
+           py::arg("k_norm") = py::none())
       .def("forward", &Decoder::forward, py::arg("token_ids"), py::arg("positions"),
            py::arg("kv_caches"), py::arg("slot_mapping"), py::arg("block_tables"),
            py::arg("context_lens"), py::arg("block_size"), py::arg("query_start") = py::none(),
-           py::arg("kv_scales") = py::none(), Release())
+           py::arg("kv_scales") = py::none(), py::arg("group_tables") = py::none(), Release())
       .def("logits", &Decoder::logits, Release())
       .def_property_readonly("num_layers", &Decoder::num_layers);
 }

@@ -1,10 +1,12 @@
 // The decode forward pass in one native call (see kvloop.h). Same math, same order of
-// operations as kvloop.models.llama, which is its reference in tests.
+// operations as the PyTorch modules (kvloop.models.llama, kvloop.models.gemma3), which
+// are its reference in tests; a layer's LayerSpec says which of the families' pieces run.
 
 #include "kvloop.h"
 
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/gelu.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
 
@@ -47,29 +49,46 @@ void check_vec(const at::Tensor& t, int64_t n, const char* what) {
               what, " must be a contiguous float32 [", n, "] tensor");
 }
 
+void check_rope(const at::Tensor& cos, const at::Tensor& sin, int64_t D) {
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == D &&
+                  sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat,
+              "cos / sin must be float32 [max_positions, head_dim]");
+}
+
 }  // namespace
 
 Decoder::Decoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
                  std::shared_ptr<QLinear> embed, at::Tensor cos, at::Tensor sin,
-                 at::Tensor final_norm, std::shared_ptr<QLinear> lm_head)
+                 at::Tensor final_norm, std::shared_ptr<QLinear> lm_head, double embed_scale,
+                 double final_softcap)
     : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
-      eps_(static_cast<float>(eps)), cos_(cos.contiguous()), sin_(sin.contiguous()),
-      final_norm_(final_norm.contiguous()), embed_(std::move(embed)),
-      lm_head_(std::move(lm_head)) {
+      eps_(static_cast<float>(eps)), embed_scale_(static_cast<float>(embed_scale)),
+      final_softcap_(final_softcap), final_norm_(final_norm.contiguous()),
+      embed_(std::move(embed)), lm_head_(std::move(lm_head)) {
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim % 2 == 0,
               "bad head configuration");
   TORCH_CHECK(embed_ != nullptr, "embed must be a weight layout [vocab, hidden]");
+  TORCH_CHECK(final_softcap >= 0.0, "final_softcap must be >= 0 (0: none)");
   hidden_ = embed_->in_features;
-  TORCH_CHECK(cos_.scalar_type() == at::kFloat && cos_.dim() == 2 &&
-                  cos_.size(1) == head_dim && sin_.sizes() == cos_.sizes(),
-              "cos / sin must be float32 [max_positions, head_dim]");
+  add_rope(std::move(cos), std::move(sin));
   check_vec(final_norm_, hidden_, "final norm weight");
   TORCH_CHECK(lm_head_->in_features == hidden_, "lm_head in_features != hidden size");
 }
 
+int64_t Decoder::add_rope(at::Tensor cos, at::Tensor sin) {
+  check_rope(cos, sin, head_dim_);
+  cos_.push_back(cos.contiguous());
+  sin_.push_back(sin.contiguous());
+  return static_cast<int64_t>(cos_.size()) - 1;
+}
+
 void Decoder::add_layer(at::Tensor attn_norm, std::shared_ptr<QLinear> qkv,
                         std::shared_ptr<QLinear> o_proj, at::Tensor mlp_norm,
-                        std::shared_ptr<QLinear> gate_up, std::shared_ptr<QLinear> down) {
+                        std::shared_ptr<QLinear> gate_up, std::shared_ptr<QLinear> down,
+                        const LayerSpec& spec, const std::optional<at::Tensor>& post_attn_norm,
+                        const std::optional<at::Tensor>& post_mlp_norm,
+                        const std::optional<at::Tensor>& q_norm,
+                        const std::optional<at::Tensor>& k_norm) {
   const int64_t H = hidden_, D = head_dim_;
   check_vec(attn_norm, H, "attention norm weight");
   check_vec(mlp_norm, H, "mlp norm weight");
@@ -81,9 +100,32 @@ void Decoder::add_layer(at::Tensor attn_norm, std::shared_ptr<QLinear> qkv,
               "gate/up projection has the wrong shape");
   TORCH_CHECK(down->in_features == gate_up->out_features / 2 && down->out_features == H,
               "down projection has the wrong shape");
-  max_inter_ = std::max(max_inter_, down->in_features);
-  layers_.push_back({attn_norm.contiguous(), mlp_norm.contiguous(), std::move(qkv),
-                     std::move(o_proj), std::move(gate_up), std::move(down)});
+  TORCH_CHECK(spec.activation == kSiLU || spec.activation == kGeluTanh,
+              "unknown activation ", spec.activation);
+  TORCH_CHECK(spec.scale >= 0.0 && spec.window >= 0 && spec.group >= 0,
+              "scale, window and group must be >= 0");
+  TORCH_CHECK(spec.rope >= 0 && spec.rope < static_cast<int64_t>(cos_.size()),
+              "rope table ", spec.rope, " was not added");
+  TORCH_CHECK(spec.post_norms == (post_attn_norm.has_value() && post_mlp_norm.has_value()),
+              "post_norms needs both post-norm weights, and only then are they given");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "QK-norm needs both q and k weights");
+  Layer layer{spec, attn_norm.contiguous(), mlp_norm.contiguous(), {}, {}, {}, {},
+              std::move(qkv), std::move(o_proj), std::move(gate_up), std::move(down)};
+  if (spec.post_norms) {
+    check_vec(*post_attn_norm, H, "post-attention norm weight");
+    check_vec(*post_mlp_norm, H, "post-MLP norm weight");
+    layer.post_attn_norm = post_attn_norm->contiguous();
+    layer.post_mlp_norm = post_mlp_norm->contiguous();
+  }
+  if (q_norm.has_value()) {
+    check_vec(*q_norm, D, "q norm weight");
+    check_vec(*k_norm, D, "k norm weight");
+    layer.q_norm = q_norm->contiguous();
+    layer.k_norm = k_norm->contiguous();
+  }
+  if (layer.spec.scale == 0.0) layer.spec.scale = 1.0 / std::sqrt(static_cast<double>(D));
+  max_inter_ = std::max(max_inter_, layer.down->in_features);
+  layers_.push_back(std::move(layer));
 }
 
 at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& positions_,
@@ -91,7 +133,8 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
                             const at::Tensor& slot_mapping_, const at::Tensor& block_tables,
                             const at::Tensor& context_lens, int64_t block_size,
                             const std::optional<at::Tensor>& query_start,
-                            const std::optional<std::vector<at::Tensor>>& kv_scales) const {
+                            const std::optional<std::vector<at::Tensor>>& kv_scales,
+                            const std::optional<std::vector<at::Tensor>>& group_tables) const {
   const auto ids_t = token_ids_.to(at::kLong).contiguous();
   const auto pos_t = positions_.to(at::kLong).contiguous();
   const auto slot_t = slot_mapping_.to(at::kLong).contiguous();
@@ -99,7 +142,9 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
   TORCH_CHECK(pos_t.numel() == M && slot_t.numel() == M, "one position and slot per token");
   TORCH_CHECK(static_cast<int64_t>(kv_caches.size()) == num_layers(), "one KV cache per layer");
   const int64_t H = hidden_, D = head_dim_, Hq = num_heads_, Hkv = num_kv_heads_;
-  const int64_t V = embed_->out_features, P = cos_.size(0);
+  const int64_t V = embed_->out_features;
+  int64_t P = cos_.front().size(0);  // positions every rope table covers
+  for (const auto& c : cos_) P = std::min(P, c.size(0));
   const int64_t* ids = ids_t.data_ptr<int64_t>();
   const int64_t* pos = pos_t.data_ptr<int64_t>();
   const int64_t* slot = slot_t.data_ptr<int64_t>();
@@ -163,24 +208,73 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
   const int64_t num_slots = kv_caches.empty() ? 0 : kv_caches.front().size(2);
   for (int64_t m = 0; m < M; ++m)
     TORCH_CHECK(slot[m] >= 0 && slot[m] < num_slots, "slot ", slot[m], " out of range");
-  // The plan checks every block id the step's attention reads (and again the rows and
-  // contexts checked above); every layer then runs it.
-  const AttentionPlan attention(M, Hq, Hkv, D, num_slots, tables_t, qstart_t, ctx_t, block_size,
-                                1.0 / std::sqrt(static_cast<double>(D)));
+
+  // KV cache groups past the first: each its table, and the slots its table gives the
+  // step's positions (the position's own block is never a dropped one).
+  std::vector<at::Tensor> group_t{tables_t};
+  std::vector<std::vector<int64_t>> group_slots(1, std::vector<int64_t>(slot, slot + M));
+  if (group_tables.has_value()) {
+    for (const auto& t : *group_tables) {
+      const auto gt = t.to(at::kLong).contiguous();
+      TORCH_CHECK(gt.dim() == 2 && gt.size(0) == N, "one block-table row per sequence in "
+                  "every KV cache group");
+      const int64_t* g = gt.data_ptr<int64_t>();
+      const int64_t width = gt.size(1);
+      std::vector<int64_t> gs(M);
+      for (int64_t n = 0; n < N; ++n) {
+        TORCH_CHECK(ctx[n] <= width * block_size, "sequence ", n,
+                    ": context exceeds its block table in KV cache group ", group_t.size());
+        for (int64_t m = qs[n]; m < qs[n + 1]; ++m) {
+          gs[m] = g[n * width + pos[m] / block_size] * block_size + pos[m] % block_size;
+          TORCH_CHECK(gs[m] >= 0 && gs[m] < num_slots, "slot ", gs[m], " out of range (KV "
+                      "cache group ", group_t.size(), ")");
+        }
+      }
+      group_t.push_back(gt);
+      group_slots.push_back(std::move(gs));
+    }
+  }
+  // One attention plan per (group, window, scale) the layers use; the plan checks every
+  // block id the step's attention reads (and again the rows and contexts checked above),
+  // then every layer of its kind runs it.
+  std::vector<AttentionPlan> plans;
+  std::vector<size_t> plan_of(layers_.size());
+  std::vector<const LayerSpec*> plan_key;
+  for (size_t li = 0; li < layers_.size(); ++li) {
+    const LayerSpec& sp = layers_[li].spec;
+    TORCH_CHECK(sp.group < static_cast<int64_t>(group_t.size()), "layer ", li,
+                " reads KV cache group ", sp.group, ": pass its block table");
+    size_t k = 0;
+    while (k < plan_key.size() && !(plan_key[k]->group == sp.group &&
+                                    plan_key[k]->window == sp.window &&
+                                    plan_key[k]->scale == sp.scale))
+      ++k;
+    if (k == plan_key.size()) {
+      plans.emplace_back(M, Hq, Hkv, D, num_slots, group_t[sp.group], qstart_t, ctx_t,
+                         block_size, sp.scale, sp.window);
+      plan_key.push_back(&sp);
+    }
+    plan_of[li] = k;
+  }
 
   const std::lock_guard<std::mutex> guard(mu_);
   Workspace& ws = workspace(M);
   float* x = ws.x.data();
   for (int64_t m = 0; m < M; ++m) embed_->decode_row(ids[m], x + m * H);
+  if (embed_scale_ != 1.f)
+    for (int64_t i = 0; i < M * H; ++i) x[i] *= embed_scale_;
 
   const int64_t qkv_n = (Hq + 2 * Hkv) * D;
   float *h = ws.h.data(), *qkv = ws.qkv.data(), *delta = ws.delta.data(), *q = ws.q.data(),
         *o = ws.o.data();
-  const float* cos = cos_.data_ptr<float>();
-  const float* sin = sin_.data_ptr<float>();
 
   for (size_t li = 0; li < layers_.size(); ++li) {
     const Layer& L = layers_[li];
+    const LayerSpec& sp = L.spec;
+    const float* cos = cos_[sp.rope].data_ptr<float>();
+    const float* sin = sin_[sp.rope].data_ptr<float>();
+    const int64_t* lslot = group_slots[sp.group].data();
+    const bool qk_norm = L.q_norm.defined();
     // Attention block.
     rms_norm(x, L.attn_norm.data_ptr<float>(), M, H, eps_, h);
     L.qkv->apply(h, M, ws.acts, qkv);
@@ -189,16 +283,21 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
       using T = decltype(elem);
       for (int64_t m = 0; m < M; ++m) {
         float* row = qkv + m * qkv_n;  // [q: Hq*D | k: Hkv*D | v: Hkv*D]
+        if (qk_norm) {  // per head, before rope
+          rms_norm(row, L.q_norm.data_ptr<float>(), Hq, D, eps_, row);
+          rms_norm(row + Hq * D, L.k_norm.data_ptr<float>(), Hkv, D, eps_, row + Hq * D);
+        }
         rope(row, Hq + Hkv, D, cos + pos[m] * D, sin + pos[m] * D);
         std::memcpy(q + m * Hq * D, row, Hq * D * sizeof(float));
         for (int64_t kh = 0; kh < Hkv; ++kh) {  // fp32: a memcpy, as before the dtypes
-          kv_store_row<T>(cache, 0, kh, slot[m], row + (Hq + kh) * D);
-          kv_store_row<T>(cache, 1, kh, slot[m], row + (Hq + Hkv + kh) * D);
+          kv_store_row<T>(cache, 0, kh, lslot[m], row + (Hq + kh) * D);
+          kv_store_row<T>(cache, 1, kh, lslot[m], row + (Hq + Hkv + kh) * D);
         }
       }
     });
-    attention.run(q, cache, o);  // [M, Hq, D]
+    plans[plan_of[li]].run(q, cache, o);  // [M, Hq, D]
     L.o_proj->apply(o, M, ws.acts, delta);
+    if (sp.post_norms) rms_norm(delta, L.post_attn_norm.data_ptr<float>(), M, H, eps_, delta);
     for (int64_t i = 0; i < M * H; ++i) x[i] += delta[i];
     // MLP block.
     rms_norm(x, L.mlp_norm.data_ptr<float>(), M, H, eps_, h);
@@ -206,10 +305,14 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
     const auto gu = ws.gu.narrow(0, 0, M * 2 * I).view({M, 2 * I});
     auto act = ws.act.narrow(0, 0, M * I).view({M, I});
     L.gate_up->apply(h, M, ws.acts, gu.data_ptr<float>());
-    // SiLU(gate) * up through ATen's vectorised SiLU (the op the PyTorch path uses, so
-    // both paths round alike); a scalar exp here cost ~7 ms a step at 32 rows.
-    at::silu_out(act, gu.narrow(1, 0, I)).mul_(gu.narrow(1, I, I));
+    // act(gate) * up through ATen's vectorised activations (the ops the PyTorch path
+    // uses, so both paths round alike); a scalar exp here cost ~7 ms a step at 32 rows.
+    if (sp.activation == kGeluTanh)
+      at::gelu_out(act, gu.narrow(1, 0, I), "tanh").mul_(gu.narrow(1, I, I));
+    else
+      at::silu_out(act, gu.narrow(1, 0, I)).mul_(gu.narrow(1, I, I));
     L.down->apply(act.data_ptr<float>(), M, ws.acts, delta);
+    if (sp.post_norms) rms_norm(delta, L.post_mlp_norm.data_ptr<float>(), M, H, eps_, delta);
     for (int64_t i = 0; i < M * H; ++i) x[i] += delta[i];
   }
   auto out = at::empty({M, H}, at::TensorOptions().dtype(at::kFloat));
@@ -233,6 +336,11 @@ Decoder::Workspace& Decoder::workspace(int64_t rows) const {
   return ws_;
 }
 
-at::Tensor Decoder::logits(const at::Tensor& hidden) const { return lm_head_->forward(hidden); }
+at::Tensor Decoder::logits(const at::Tensor& hidden) const {
+  auto out = lm_head_->forward(hidden);
+  // As the modules compute it (Gemma's compute_logits): tanh(logits / cap) * cap.
+  if (final_softcap_ > 0.0) out.div_(final_softcap_).tanh_().mul_(final_softcap_);
+  return out;
+}
 
 }  // namespace kvloop

@@ -159,51 +159,88 @@ void pair_acts(QuantizedActs& a);
 // Python-facing: (q int8 [M, K], d fp32 [M, K/32]), the exact rounding the kernels use.
 std::vector<at::Tensor> quantize_acts_tensor(const at::Tensor& x);
 
-// ---- the decode forward pass of a Llama-family model (decoder.cpp) ----
+// ---- the decode forward pass of a decoder-only model (decoder.cpp) ----
 
-// All layers of one decode step in one call: embedding rows, then per layer RMSNorm,
-// fused QKV, rotary embedding, K/V written into the paged cache, paged attention, output
-// projection, RMSNorm, fused gate/up, SiLU x up, down projection, residuals; final norm.
+// How one layer computes: the families' differences as data (kvloop.models.base.LayerSpec,
+// which each architecture module fills in). Its weights come with it in add_layer.
+struct LayerSpec {
+  bool post_norms = false;  // Gemma's "sandwich": each block's output RMS-normed before its
+                            // residual add (the norms' weights come with add_layer)
+  int64_t activation = 0;   // the gated MLP's activation: kSiLU or kGeluTanh
+  double scale = 0.0;       // attention scale; 0: head_dim^-0.5
+  int64_t window = 0;       // sliding window (keys a query sees, its own included); 0: all
+  int64_t group = 0;        // KV cache group: whose block table the layer's cache follows
+  int64_t rope = 0;         // which rope table (Decoder::add_rope; 0: the constructor's)
+};
+constexpr int64_t kSiLU = 0, kGeluTanh = 1;
+
+// All layers of one step in one call: embedding rows (times an embedding scale), then per
+// layer RMSNorm, fused QKV (with its bias), optional QK-norm, rotary embedding from the
+// layer's table, K/V written into the paged cache of the layer's KV cache group, paged
+// attention (windowed for sliding layers), output projection (optionally post-normed),
+// residual, RMSNorm, fused gate/up, act(gate) x up, down projection (optionally
+// post-normed), residual; final norm. The head's logits optionally soft-capped.
 // Python dispatch of ~15 small ops per layer costs more than the arithmetic at batch 1,
 // so decode steps run here; so do prefill steps, whose GEMMs go to oneDNN (the layers'
-// batched weights) and whose elementwise work (norms, rope, SiLU, residuals, K/V writes)
-// costs less fused here than as separate PyTorch ops over [tokens, hidden] tensors.
+// batched weights) and whose elementwise work (norms, rope, activation, residuals, K/V
+// writes) costs less fused here than as separate PyTorch ops over [tokens, hidden] tensors.
 class Decoder {
  public:
   // embed: the embedding table as a weight layout ([vocab, hidden]: fp32, or a
-  // checkpoint's blocks, whose rows are decoded as tokens look them up).
+  // checkpoint's blocks, whose rows are decoded as tokens look them up). cos / sin: rope
+  // table 0 ([max_positions, head_dim]). embed_scale multiplies the embedding rows (Gemma:
+  // sqrt(hidden)); final_softcap > 0: logits = cap * tanh(logits / cap).
   Decoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
           std::shared_ptr<QLinear> embed, at::Tensor cos, at::Tensor sin,
-          at::Tensor final_norm, std::shared_ptr<QLinear> lm_head);
+          at::Tensor final_norm, std::shared_ptr<QLinear> lm_head, double embed_scale = 1.0,
+          double final_softcap = 0.0);
+  // Another rope table (another base or scaling); returns its index for LayerSpec::rope.
+  int64_t add_rope(at::Tensor cos, at::Tensor sin);
+  // Norm weights are the factors multiplied in (Gemma's 1 + w folded already). post_*_norm
+  // when spec.post_norms; q_norm and k_norm ([head_dim]) both or neither (QK-norm).
   void add_layer(at::Tensor attn_norm, std::shared_ptr<QLinear> qkv,
                  std::shared_ptr<QLinear> o_proj, at::Tensor mlp_norm,
-                 std::shared_ptr<QLinear> gate_up, std::shared_ptr<QLinear> down);
+                 std::shared_ptr<QLinear> gate_up, std::shared_ptr<QLinear> down,
+                 const LayerSpec& spec = LayerSpec{},
+                 const std::optional<at::Tensor>& post_attn_norm = std::nullopt,
+                 const std::optional<at::Tensor>& post_mlp_norm = std::nullopt,
+                 const std::optional<at::Tensor>& q_norm = std::nullopt,
+                 const std::optional<at::Tensor>& k_norm = std::nullopt);
   // token_ids, positions, slot_mapping: [M] int64, one per token; block_tables
   // [N, max_blocks] and context_lens [N] int64, one per sequence; query_start [N + 1]: the
   // sequences' rows (None: one token each, a decode step, N == M). A sequence's rows are
   // the last positions of its context (prefill chunks after a cached prefix included).
   // One [2, Hkv, slots, D] cache per layer, all of one shape and dtype (fp32, bf16, fp16,
   // or int8 with kv_scales: one [2, Hkv, slots] fp16 tensor per layer); K/V are written in
-  // it rounded as kv_dtype.h says. Returns final-normed [M, hidden].
+  // it rounded as kv_dtype.h says. block_tables and slot_mapping are KV cache group 0's;
+  // group_tables [N, *] those of groups 1.. (a layer of group g > 0 writes at the slot its
+  // group's table gives a position; a sliding group's dropped blocks are never read).
+  // Returns final-normed [M, hidden].
   at::Tensor forward(const at::Tensor& token_ids, const at::Tensor& positions,
                      const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
                      const at::Tensor& block_tables, const at::Tensor& context_lens,
                      int64_t block_size,
                      const std::optional<at::Tensor>& query_start = std::nullopt,
-                     const std::optional<std::vector<at::Tensor>>& kv_scales =
+                     const std::optional<std::vector<at::Tensor>>& kv_scales = std::nullopt,
+                     const std::optional<std::vector<at::Tensor>>& group_tables =
                          std::nullopt) const;
   at::Tensor logits(const at::Tensor& hidden) const;  // [N, hidden] -> [N, vocab]
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
  private:
   struct Layer {
+    LayerSpec spec;
     at::Tensor attn_norm, mlp_norm;
+    at::Tensor post_attn_norm, post_mlp_norm, q_norm, k_norm;  // undefined when unused
     std::shared_ptr<QLinear> qkv, o_proj, gate_up, down;
   };
   int64_t num_heads_, num_kv_heads_, head_dim_, hidden_;
   int64_t max_inter_ = 0;  // widest MLP of any layer: sizes the gate/up buffers
   float eps_;
-  at::Tensor cos_, sin_, final_norm_;
+  float embed_scale_;
+  double final_softcap_;
+  std::vector<at::Tensor> cos_, sin_;  // rope tables, [max_positions, head_dim] each
+  at::Tensor final_norm_;
   std::shared_ptr<QLinear> embed_, lm_head_;
   std::vector<Layer> layers_;
   // The step's intermediate buffers, kept from step to step (grown when a step has more
@@ -211,7 +248,7 @@ class Decoder {
   struct Workspace {
     int64_t rows = 0;
     std::vector<float> x, h, qkv, delta, q, o;
-    at::Tensor gu, act;  // [rows, 2 * max_inter], [rows, max_inter]: ATen's SiLU runs on them
+    at::Tensor gu, act;  // [rows, 2 * max_inter], [rows, max_inter]: ATen's activations
     QuantizedActs acts;
   };
   Workspace& workspace(int64_t rows) const;
