@@ -19,12 +19,23 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from kvloop.client import Answer, Remote, RemoteError
 from kvloop.engine_flags import add_engine_flags, engine_options
 from kvloop.errors import KvloopError
 from kvloop.params import SamplingParams, StructuredOutput
 from kvloop.server.cli import add_serve_parser, cmd_serve
 
 EXIT_USAGE = 2
+EXIT_REMOTE = 1  # the resident engine failed to answer
+
+
+def _resident_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("resident engine")
+    g.add_argument("--server", default=None, metavar="URL",
+                   help="send the request to the kvloop serve at URL (default: $KVLOOP_SERVER, "
+                        "else a local `kvloop serve` found by its run file)")
+    g.add_argument("--local", action="store_true",
+                   help="load the model in this process even when a server is running")
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -65,7 +76,8 @@ class _Parser(argparse.ArgumentParser):
     """argparse, but a usage mistake is one `kvloop: error:` line like every other."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"kvloop: error: {message} (see kvloop {self.prog.split()[-1]} -h)\n")
+        # self.prog is "kvloop" or "kvloop generate": the program's name is in it once.
+        self.exit(EXIT_USAGE, f"kvloop: error: {message} (see {self.prog} -h)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -84,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "by default they are plain text")
     _sampling_flags(gen)
     add_engine_flags(gen)
+    _resident_flags(gen)
 
     roof = sub.add_parser("roofline", help="predict TTFT and time per token from first "
                           "principles (and, for a loaded model, compare with kvloop)")
@@ -105,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None)
     _sampling_flags(chat)
     add_engine_flags(chat)
+    _resident_flags(chat)
     return parser
 
 
@@ -210,16 +224,33 @@ def _completion_json(comp: Any, params: SamplingParams) -> dict[str, Any]:
     return obj
 
 
-def _output_json(out: Any, params: SamplingParams) -> dict[str, Any]:
+def _output_json(comps: Sequence[Any], metrics: dict[str, Any], params: SamplingParams,
+                 load_seconds: float) -> dict[str, Any]:
     """One object per prompt: flat for one sequence, an `outputs` list (best first) for
-    several (n > 1 or beams)."""
-    metrics = out.metrics.as_dict()
-    comps = out.outputs
+    several (n > 1 or beams). `comps`: the engine's CompletionOutputs, or the client's
+    Completions (the same fields, as a resident engine sent them)."""
     if len(comps) == 1 and params.n == 1 and params.num_beams == 1:
-        return {**_completion_json(comps[0], params), "metrics": metrics}
-    best_first = sorted(comps, key=lambda c: -(c.score if c.score is not None
-                                                else c.cumulative_logprob))
-    return {"outputs": [_completion_json(c, params) for c in best_first], "metrics": metrics}
+        obj = {**_completion_json(comps[0], params), "metrics": metrics}
+    else:
+        best_first = sorted(comps, key=lambda c: -(c.score if c.score is not None
+                                                    else c.cumulative_logprob))
+        obj = {"outputs": [_completion_json(c, params) for c in best_first],
+               "metrics": metrics}
+    return {**obj, "load_seconds": load_seconds}
+
+
+def _print_outputs(comps: Sequence[Any], metrics: dict[str, Any], params: SamplingParams,
+                   args: argparse.Namespace, prompt_index: int, load_seconds: float) -> None:
+    """The answer to one prompt of a batch (or of several sequences), not streamed."""
+    if args.json:
+        print(json.dumps(_output_json(comps, metrics, params, load_seconds)))
+        return
+    for comp in comps:
+        label = f"prompt {prompt_index}" if args.prompts_file else ""
+        extra = f" score {comp.score:.4f}" if comp.score is not None else ""
+        print(f"--- {label} sequence {comp.index}{extra} ---".replace("  ", " "))
+        print(comp.text)
+    print(_figures(metrics), file=sys.stderr)
 
 
 def _read_prompts(path: str) -> list[str]:
@@ -254,6 +285,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
              else [_check_text(args.prompt, "PROMPT")])
     if args.system is not None:
         _check_text(args.system, "--system")
+    remote = _resident(args)
+    if remote is not None:
+        return _generate_remote(remote, args, params, texts)
     llm = _make_llm(args)
 
     def encode(text: str) -> str | list[int]:
@@ -268,15 +302,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.prompts_file or params.n > 1 or params.num_beams > 1:
         outs = llm.generate(prompts, params, use_tqdm=bool(args.prompts_file))
         for i, out in enumerate(outs):
-            if args.json:
-                print(json.dumps({**_output_json(out, params), "load_seconds": llm.load_seconds}))
-                continue
-            for comp in out.outputs:
-                label = f"prompt {i}" if args.prompts_file else ""
-                extra = f" score {comp.score:.4f}" if comp.score is not None else ""
-                print(f"--- {label} sequence {comp.index}{extra} ---".replace("  ", " "))
-                print(comp.text)
-            print(_figures(out.metrics.as_dict()), file=sys.stderr)
+            _print_outputs(out.outputs, out.metrics.as_dict(), params, args, i,
+                           llm.load_seconds)
         return 0
 
     last = None
@@ -286,11 +313,75 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         last = out
     assert last is not None
+    _end_stream(last.outputs, last.metrics.as_dict(), params, args, llm.load_seconds)
+    return 0
+
+
+def _end_stream(comps: Sequence[Any], metrics: dict[str, Any], params: SamplingParams,
+                args: argparse.Namespace, load_seconds: float) -> None:
+    """After a streamed answer: the JSON object, or the newline and the figures line."""
     if args.json:
-        print(json.dumps({**_output_json(last, params), "load_seconds": llm.load_seconds}))
+        print(json.dumps(_output_json(comps, metrics, params, load_seconds)))
     else:
         sys.stdout.write("\n")
-        print(_figures(last.metrics.as_dict()), file=sys.stderr)
+        print(_figures(metrics), file=sys.stderr)
+
+
+# -- a resident engine ----------------------------------------------------------------------
+def _resident(args: argparse.Namespace) -> Remote | None:
+    """The running server this command goes to, or None: load the model here. Decided
+    before anything heavy is imported, so a remote command never loads torch."""
+    if args.local:
+        return None
+    from kvloop import client
+
+    defaults = _default_engine_options()
+    asked = {k: v for k, v in engine_options(args).items() if defaults.get(k) != v}
+    return client.discover(args.server, args.model, asked)
+
+
+def _default_engine_options() -> dict[str, Any]:
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    return engine_options(p.parse_args([]))
+
+
+def _generate_remote(remote: Remote, args: argparse.Namespace, params: SamplingParams,
+                     texts: list[str]) -> int:
+    """`kvloop generate` through a resident engine: the same output as a local run."""
+    from kvloop import client
+
+    body = client.sampling_body(params, chat=args.chat)
+    if args.parse_special:
+        body["parse_special_tokens"] = True
+    # The model was loaded before this command: it spent nothing on loading.
+    load_seconds = 0.0
+    if args.prompts_file or params.n > 1 or params.num_beams > 1:
+        answers = client.complete(remote, texts, body, args.system, chat=args.chat)
+        for i, ans in enumerate(answers):
+            _print_outputs(ans.outputs, ans.metrics, params, args, i, load_seconds)
+        return 0
+    if args.chat:
+        msgs = [{"role": "system", "content": args.system}] if args.system else []
+        body["messages"] = [*msgs, {"role": "user", "content": texts[0]}]
+    else:
+        body["prompt"] = texts[0]
+    answer, written = None, False
+    try:
+        for piece in client.stream_text(remote, body, chat=args.chat):
+            if isinstance(piece, Answer):
+                answer = piece
+            elif not args.json:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+                written = True
+    except RemoteError:
+        if written:  # end the half-written line: the error goes on a line of its own
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+        raise
+    assert answer is not None
+    _end_stream(answer.outputs, answer.metrics, params, args, load_seconds)
     return 0
 
 
@@ -434,6 +525,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KvloopError as e:
         print(f"kvloop: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except RemoteError as e:
+        print(f"kvloop: error: {e}", file=sys.stderr)
+        return EXIT_REMOTE
     except KeyboardInterrupt:
         return 130
 

@@ -15,13 +15,16 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvloop import runfile
 from kvloop.config import parse_size
 from kvloop.engine_flags import add_engine_flags, engine_options
 from kvloop.errors import KvloopError
+from kvloop.runfile import RunInfo, comparable_options, model_identity
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 API_KEY_ENV = "KVLOOP_API_KEY"
+DETACHED_LOG_ENV = "KVLOOP_DETACHED_LOG"  # set by `serve --detach` for its child: its log
 
 
 def _size(text: str) -> int:
@@ -141,8 +144,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
         keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
         max_header_bytes=args.max_header_bytes))
     # SIGTERM/SIGINT drain the server (see kvloop.server.lifecycle): a clean exit, 0.
-    build_server(app, host=args.host, port=args.port, log_level=args.log_level).run()
+    server = build_server(app, host=args.host, port=args.port, log_level=args.log_level)
+    info = RunInfo(url="", pid=os.getpid(), model=app.state.serving.model_name,
+                   model_identity=model_identity(engine.checkpoint.path),
+                   engine_options=comparable_options(engine_options(args)),
+                   api_key_required=api_key is not None,
+                   log=os.environ.get(DETACHED_LOG_ENV))
+    server.on_started = lambda port: _announce(info, args.host, port)
+    try:
+        server.run()
+    finally:
+        runfile.remove(info)
     return 0
+
+
+def client_url(host: str, port: int) -> str:
+    """The address a local client dials for a server bound to `host`."""
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host == "::":
+        host = "::1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _announce(info: RunInfo, host: str, port: int) -> None:
+    """The run file that lets `kvloop generate` / `chat` / `ps` find this server."""
+    info.url = client_url(host, port)
+    try:
+        runfile.write(info)
+    except OSError as e:  # serving goes on; only discovery is lost
+        logging.getLogger("kvloop.server").warning("cannot write the run file %s: %s",
+                                                   info.path, e)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import signal
 import socket
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -38,6 +39,14 @@ class KvloopServer(uvicorn.Server):
         super().__init__(config)
         self.serving = serving
         self.grace = grace
+        # Called with the bound port once the server accepts connections (a run file is
+        # written then: before, a client that found it would be refused).
+        self.on_started: Callable[[int], None] | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_started is not None:
+            self.on_started(self.servers[0].sockets[0].getsockname()[1])
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # uvicorn records the signal and raises it again once it has shut down, so the

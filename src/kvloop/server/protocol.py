@@ -77,6 +77,10 @@ class SamplingRequest(_Strict):
     # kvloop extensions: opt out of speculative decoding, or cap this request's drafts.
     speculative: bool | None = None
     num_speculative_tokens: int | None = None
+    # kvloop extension: each choice's `kvloop` details (token ids, log-probs, the engine's
+    # per-request metrics) on its last chunk, or on the choice when not streamed. What
+    # `kvloop generate` prints needs them; other clients never see the field unless asked.
+    return_details: bool = False
     # Sent by the official SDKs; accepted and ignored, as they change nothing served here.
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -201,6 +205,18 @@ class CompletionLogprobs(_Out):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class ChoiceDetails(_Out):
+    """kvloop extension (`return_details`): the engine's own account of one choice, so a
+    client without a tokenizer prints what `kvloop generate --local` prints."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # [[token id, log-prob], ...]
+    cumulative_logprob: float = 0.0
+    score: float | None = None  # beam search
+    metrics: dict[str, float | int | None]  # RequestMetrics.as_dict() of its prompt
+
+
 class CompletionChoice(_Out):
     index: int
     text: str
@@ -209,6 +225,7 @@ class CompletionChoice(_Out):
     stop_reason: int | str | None = None  # vLLM: the stop string or token id that ended it
     # vLLM: with prompt_logprobs, per prompt token {token id: {logprob, rank, decoded_token}}.
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+    kvloop: ChoiceDetails | None = None  # only with return_details (left out otherwise)
 
 
 def _now() -> int:
@@ -262,6 +279,7 @@ class ChatChoice(_Out):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    kvloop: ChoiceDetails | None = None  # only with return_details (left out otherwise)
 
 
 class ChatCompletionResponse(_Out):
@@ -301,6 +319,7 @@ class ChatChunkChoice(_Out):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    kvloop: ChoiceDetails | None = None  # only with return_details (left out otherwise)
 
 
 class ChatCompletionChunk(_Out):
@@ -359,17 +378,26 @@ class SafeJSONResponse(JSONResponse):
 
 def dump_chunk(chunk: BaseModel) -> str:
     """One SSE event. A chat delta leaves out its unset fields, as OpenAI's does."""
-    data: dict[str, Any] = chunk.model_dump(mode="json")
+    data = dump_response(chunk)
     for choice in data.get("choices", []):
         if isinstance(choice.get("delta"), dict):
             choice["delta"] = _without_none(choice["delta"])
     return f"data: {dumps(data)}\n\n"
 
 
+def dump_response(resp: BaseModel) -> dict[str, Any]:
+    """A response as JSON, without the `kvloop` extension on choices that did not ask."""
+    data: dict[str, Any] = resp.model_dump(mode="json")
+    for choice in data.get("choices", []):
+        if choice.get("kvloop", False) is None:
+            del choice["kvloop"]
+    return data
+
+
 def dump_chat_response(resp: ChatCompletionResponse) -> dict[str, Any]:
     """A chat response as JSON: `tool_calls` only on messages that have them (OpenAI's
     shape); `content` stays, null beside tool calls."""
-    data: dict[str, Any] = resp.model_dump(mode="json")
+    data = dump_response(resp)
     for choice in data["choices"]:
         if choice["message"].get("tool_calls") is None:
             choice["message"].pop("tool_calls", None)

@@ -44,6 +44,7 @@ from kvloop.server.protocol import (
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
+    ChoiceDetails,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -57,6 +58,7 @@ from kvloop.server.protocol import (
     Usage,
     dump_chat_response,
     dump_chunk,
+    dump_response,
 )
 from kvloop.server.protocol import SafeJSONResponse as JSONResponse
 from kvloop.server.tools import StreamedAnswer, ToolPlan, call_id, plan_tools, template_inputs
@@ -84,6 +86,7 @@ class _Job:
     # echo: each prompt's text, sent before its completion (with its log-probs, if asked).
     echo_texts: list[str] | None = None
     structured_field: str = "response_format"  # the field a constraint came in, for errors
+    details: bool = False  # return_details: each choice's ChoiceDetails at its end
 
 
 @dataclass
@@ -153,7 +156,8 @@ class OpenAIServing:
             prompt_logprobs = max(prompt_logprobs or 0, req.logprobs or 0)
         params = self._params(req, max_tokens, req.logprobs, {"logprobs": "logprobs"},
                               prompt_logprobs)
-        job = _Job(f"cmpl-{uuid.uuid4().hex}", prompts, params, req.n)
+        job = _Job(f"cmpl-{uuid.uuid4().hex}", prompts, params, req.n,
+                   details=req.return_details)
         job.structured_field = _constraint_field(req)
         if req.echo:
             job.echo_texts = [p if isinstance(p, str) else self.tokenizer.decode(
@@ -175,10 +179,11 @@ class OpenAIServing:
                     text=(echo or "") + c.text,
                     logprobs=self._with_prompt(lp, out, echo, req.logprobs),
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                    prompt_logprobs=self._vllm_prompt_logprobs(out, req.prompt_logprobs)))
+                    prompt_logprobs=self._vllm_prompt_logprobs(out, req.prompt_logprobs),
+                    kvloop=_details(job, c, out)))
         resp = CompletionResponse(id=job.request_id, model=self.model_name, choices=choices,
                                   usage=_usage(finals))
-        return JSONResponse(resp.model_dump(mode="json"), headers=_id_header(job))
+        return JSONResponse(dump_response(resp), headers=_id_header(job))
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self._check_common(req)
@@ -202,14 +207,16 @@ class OpenAIServing:
         params = self._params(req, max_tokens, logprobs,
                               {"logprobs": "top_logprobs", "max_tokens": param},
                               forced=plan.structured)
-        job = _Job(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, req.n)
+        job = _Job(f"chatcmpl-{uuid.uuid4().hex}", [ids], params, req.n,
+                   details=req.return_details)
         job.structured_field = "tools" if plan.structured else _constraint_field(req)
         await self._submit(job, req.priority, raw)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._sse(job, raw, self._chat_chunks(job, include_usage, plan))
         out = (await self._collect(job, raw))[0]
-        choices = [self._chat_choice(c, plan) for c in out.outputs]
+        choices = [self._chat_choice(c, plan).model_copy(update={
+            "kvloop": _details(job, c, out)}) for c in out.outputs]
         resp = ChatCompletionResponse(id=job.request_id, model=self.model_name,
                                       choices=choices, usage=_usage([out]))
         return JSONResponse(dump_chat_response(resp), headers=_id_header(job))
@@ -486,7 +493,8 @@ class OpenAIServing:
             choice = CompletionChoice(
                 index=d.index, text=(echo or "") + d.text, logprobs=lp,
                 finish_reason=d.output.finish_reason if d.ending else None,
-                stop_reason=d.output.stop_reason if d.ending else None)
+                stop_reason=d.output.stop_reason if d.ending else None,
+                kvloop=_details(job, d.output, finals[k]) if d.ending else None)
             yield dump_chunk(CompletionResponse(id=job.request_id, model=self.model_name,
                                                 choices=[choice]))
         if include_usage:
@@ -532,7 +540,8 @@ class OpenAIServing:
             yield chunk([ChatChunkChoice(
                 index=d.index, delta=ChatDelta(content=content, tool_calls=calls or None),
                 logprobs=lp, finish_reason=finish,
-                stop_reason=d.output.stop_reason if d.ending else None)])
+                stop_reason=d.output.stop_reason if d.ending else None,
+                kvloop=_details(job, d.output, finals[0]) if d.ending else None)])
         if include_usage and finals:
             yield chunk([], _usage([finals[0]]))
 
@@ -676,6 +685,15 @@ def _prompt_items(prompt: str | list[str] | list[int] | list[list[int]]
     if prompt and all(isinstance(p, int) for p in prompt):
         return [[int(t) for t in prompt]]  # type: ignore[arg-type]  # one prompt of ids
     return list(prompt)  # type: ignore[arg-type]
+
+
+def _details(job: _Job, c: CompletionOutput, out: RequestOutput) -> ChoiceDetails | None:
+    """The return_details extension of choice `c` (a final output) of `out`, if asked."""
+    if not job.details:
+        return None
+    return ChoiceDetails(token_ids=list(c.token_ids), logprobs=c.logprobs,
+                         top_logprobs=c.top_logprobs, cumulative_logprob=c.cumulative_logprob,
+                         score=c.score, metrics=out.metrics.as_dict())
 
 
 def _usage(finals: Sequence[RequestOutput]) -> Usage:

@@ -1,0 +1,231 @@
+"""`kvloop generate` / `kvloop chat` through a resident `kvloop serve` (issue 27).
+
+Each server runs as a subprocess with its run-file directory (KVLOOP_RUNTIME_DIR) under
+the test's tmp dir, so no test ever sees a user's server, nor a user a test's. The CLI runs
+as a subprocess too (the real entry point), each call bounded by a timeout: nothing hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvloop.cli import main
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+CLI_TIMEOUT_S = 180  # a subprocess that takes longer has hung
+SERVE_TIMEOUT_S = 180  # model load on a busy machine
+TINY = ["--kv-cache-memory", "32MiB"]  # the engine flags every tiny-model command uses
+
+
+def env_for(run_dir: Path, **extra: str) -> dict[str, str]:
+    env = {**os.environ, "KVLOOP_RUNTIME_DIR": str(run_dir), "KVLOOP_API_KEY": "",
+           "KVLOOP_SERVER": "", "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Run:
+    rc: int
+    out: str
+    err: str
+
+
+def kvloop(run_dir: Path, *args: str, stdin: str | None = None, timeout: float = CLI_TIMEOUT_S,
+           **env: str) -> Run:
+    p = subprocess.run([sys.executable, "-m", "kvloop.cli", *args], input=stdin,
+                       capture_output=True, text=True, timeout=timeout,
+                       env=env_for(run_dir, **env))
+    return Run(p.returncode, p.stdout, p.stderr)
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    info: dict[str, object]
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return str(self.info["url"])
+
+
+def run_files(run_dir: Path) -> list[Path]:
+    return sorted(run_dir.glob("serve-*.json"))
+
+
+@contextmanager
+def serve(run_dir: Path, model: Path | None, *flags: str, **env: str) -> Iterator[Server]:
+    """`kvloop serve` on a free port; ready once its run file is written (it is written
+    when the server accepts connections)."""
+    log = run_dir / f"serve-{time.monotonic_ns()}.log"
+    model_flags = ["--model", str(model)] if model is not None else []
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvloop.cli", "serve", *model_flags, "--port", "0", *flags],
+            stdout=out, stderr=subprocess.STDOUT, env=env_for(run_dir, **env))
+    path = run_dir / f"serve-{proc.pid}.json"
+    try:
+        deadline = time.monotonic() + SERVE_TIMEOUT_S
+        while not path.exists():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.1)
+        yield Server(proc, json.loads(path.read_text()), log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("run")
+
+
+@pytest.fixture(scope="module")
+def tiny_server(run_dir: Path, tiny_model_dir: Path) -> Iterator[Server]:
+    with serve(run_dir, tiny_model_dir, *TINY) as server:
+        yield server
+
+
+# -- CLI polish -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(("argv", "hint"), [
+    ([], "(see kvloop -h)"),
+    (["generate", "--max-tokens", "x"], "(see kvloop generate -h)"),
+    (["chat", "--top-k", "x"], "(see kvloop chat -h)"),
+    (["serve", "--port", "x"], "(see kvloop serve -h)"),
+])
+def test_usage_errors_name_the_program_once(argv: list[str], hint: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert err.startswith("kvloop: error: ") and err.rstrip().endswith(hint), err
+    assert "kvloop kvloop" not in err
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "roofline"])
+def test_usage_line_names_the_program_once(command: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "-h"])
+    usage = capsys.readouterr().out.splitlines()[0]
+    assert usage.startswith(f"usage: kvloop {command} ") and usage.count("kvloop") == 1
+
+
+# -- the run file ---------------------------------------------------------------------------------
+def test_serve_writes_its_run_file_and_removes_it_on_exit(tmp_path: Path,
+                                                          tiny_model_dir: Path) -> None:
+    with serve(tmp_path, tiny_model_dir, *TINY) as server:
+        info = server.info
+        assert info["pid"] == server.proc.pid
+        assert str(info["url"]).startswith("http://127.0.0.1:")
+        assert info["model"] == tiny_model_dir.name
+        identity = info["model_identity"]
+        assert isinstance(identity, dict) and identity["path"] == str(tiny_model_dir.resolve())
+        options = info["engine_options"]
+        assert isinstance(options, dict) and options["kv_cache_memory"] == "32MiB"
+        assert info["api_key_required"] is False
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(60) == 0
+    assert run_files(tmp_path) == []
+
+
+# -- generate through the resident engine ---------------------------------------------------------
+def test_greedy_generate_is_the_same_through_the_server(run_dir: Path, tiny_server: Server,
+                                                       tiny_model_dir: Path) -> None:
+    args = ["generate", "The quick brown", "--max-tokens", "12", "--json",
+            "--model", str(tiny_model_dir), *TINY]
+    remote, local = kvloop(run_dir, *args), kvloop(run_dir, *args, "--local")
+    assert remote.rc == local.rc == 0, remote.err + local.err
+    r, l_ = json.loads(remote.out), json.loads(local.out)
+    assert r.keys() == l_.keys() and r["metrics"].keys() == l_["metrics"].keys()
+    assert r["text"] == l_["text"] and r["token_ids"] == l_["token_ids"]
+    assert len(r["token_ids"]) == r["metrics"]["output_tokens"] == 12
+    assert r["load_seconds"] == 0.0 and l_["load_seconds"] > 0  # no model load: the server's
+    assert "POST /v1/completions" in tiny_server.log.read_text()
+
+
+def test_streamed_text_and_figures_line_are_the_same(run_dir: Path, tiny_server: Server,
+                                                     tiny_model_dir: Path) -> None:
+    args = ["generate", "def f(x):", "--max-tokens", "10", "--logprobs", "2",
+            "--model", str(tiny_model_dir), *TINY]
+    remote, local = kvloop(run_dir, *args), kvloop(run_dir, *args, "--local")
+    assert remote.rc == local.rc == 0, remote.err + local.err
+    assert remote.out == local.out and remote.out.endswith("\n")
+    for run in (remote, local):
+        figures = run.err.strip().splitlines()[-1]
+        assert figures.startswith("[TTFT ") and "| 10 tokens |" in figures, run.err
+
+
+def test_json_with_logprobs_and_beams_match_local(run_dir: Path, tiny_server: Server,
+                                                  tiny_model_dir: Path) -> None:
+    for extra in (["--logprobs", "2"], ["--num-beams", "2", "--num-return-sequences", "2"]):
+        args = ["generate", "Caf", "--max-tokens", "6", "--json", *extra, *TINY]
+        remote, local = kvloop(run_dir, *args), kvloop(
+            run_dir, *args, "--local", "--model", str(tiny_model_dir))
+        assert remote.rc == local.rc == 0, remote.err + local.err
+        r, l_ = json.loads(remote.out), json.loads(local.out)
+        assert r.keys() == l_.keys()
+        for key in ("text", "token_ids", "logprobs", "top_logprobs", "outputs"):
+            if key not in l_:
+                continue
+            if key == "outputs":
+                assert [(o["text"], o["token_ids"]) for o in r[key]] == \
+                    [(o["text"], o["token_ids"]) for o in l_[key]]
+            elif key in ("logprobs",):
+                assert r[key] == pytest.approx(l_[key], abs=1e-4)
+            elif key == "top_logprobs":
+                assert [[t for t, _ in row] for row in r[key]] == \
+                    [[t for t, _ in row] for row in l_[key]]
+            else:
+                assert r[key] == l_[key]
+
+
+def test_the_client_path_does_not_import_torch(run_dir: Path, tiny_server: Server) -> None:
+    code = ("import sys\nfrom kvloop.cli import main\n"
+            "rc = main(['generate', 'The quick', '--max-tokens', '4', '--kv-cache-memory', "
+            "'32MiB'])\n"
+            "print('RC', rc, 'TORCH', 'torch' in sys.modules, 'TOKENIZERS', "
+            "'tokenizers' in sys.modules, file=sys.stderr)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=CLI_TIMEOUT_S, env=env_for(run_dir))
+    assert "RC 0 TORCH False TOKENIZERS False" in p.stderr, p.stderr
+    assert p.stdout.strip()
+
+
+def test_explicit_server_url_is_used(tmp_path: Path, tiny_server: Server) -> None:
+    """--server reaches a server no run file names (here: another run-file directory)."""
+    run = kvloop(tmp_path, "generate", "The", "--max-tokens", "3", "--json", *TINY,
+                 "--server", tiny_server.url)
+    assert run.rc == 0, run.err
+    assert json.loads(run.out)["load_seconds"] == 0.0
+    env_run = kvloop(tmp_path, "generate", "The", "--max-tokens", "3", "--json", *TINY,
+                     KVLOOP_SERVER=tiny_server.url)
+    assert env_run.rc == 0 and json.loads(env_run.out)["load_seconds"] == 0.0, env_run.err
+
+
+@pytest.mark.slow
+def test_default_model_chat_prompt_is_the_same_through_the_server(tmp_path: Path) -> None:
+    """The real model: generate --chat (template applied by the server) matches --local."""
+    with serve(tmp_path, None):
+        args = ["generate", "What is 2+2?", "--chat", "--max-tokens", "8", "--json"]
+        remote, local = kvloop(tmp_path, *args), kvloop(tmp_path, *args, "--local")
+    assert remote.rc == local.rc == 0, remote.err + local.err
+    r, l_ = json.loads(remote.out), json.loads(local.out)
+    assert r.keys() == l_.keys()
+    assert (r["text"], r["token_ids"]) == (l_["text"], l_["token_ids"])
+    assert r["load_seconds"] == 0.0
