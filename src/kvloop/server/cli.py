@@ -146,7 +146,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # SIGTERM/SIGINT drain the server (see kvloop.server.lifecycle): a clean exit, 0.
     server = build_server(app, host=args.host, port=args.port, log_level=args.log_level)
     info = RunInfo(url="", pid=os.getpid(), model=app.state.serving.model_name,
-                   model_identity=model_identity(engine.checkpoint.path),
+                   model_identity=model_identity(engine.engine.checkpoint.path),
                    engine_options=comparable_options(engine_options(args)),
                    api_key_required=api_key is not None,
                    log=os.environ.get(DETACHED_LOG_ENV))
