@@ -72,9 +72,9 @@ def test_batch_invariance(tiny_model_dir, workload, options):
 
 def test_batch_invariance_under_preemption(tiny_model_dir, workload):
     prompts, params, alone = workload
-    # 2 layers * 2 kv heads * 16 dims * 2 (K,V) * 2 bytes (fp16, the default) = 256 bytes per
-    # slot: 36 blocks of 16.
-    engine, batched = run_batch(tiny_model_dir, prompts, params, kv_cache_memory=36 * 16 * 256,
+    # 2 layers * 2 kv heads * 16 dims * 2 (K,V) * 4 bytes (fp32: "auto" beside fp32 weights)
+    # = 512 bytes per slot: 36 blocks of 16.
+    engine, batched = run_batch(tiny_model_dir, prompts, params, kv_cache_memory=36 * 16 * 512,
                                 max_num_batched_tokens=128)
     assert engine.kv.pool.num_blocks == 36
     assert engine.scheduler.num_preemptions > 0
