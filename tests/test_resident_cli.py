@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import write_tiny_model
 from kvloop.cli import main
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -216,6 +217,90 @@ def test_explicit_server_url_is_used(tmp_path: Path, tiny_server: Server) -> Non
     env_run = kvloop(tmp_path, "generate", "The", "--max-tokens", "3", "--json", *TINY,
                      KVLOOP_SERVER=tiny_server.url)
     assert env_run.rc == 0 and json.loads(env_run.out)["load_seconds"] == 0.0, env_run.err
+
+
+# -- chat, fallbacks, failures ------------------------------------------------------------------
+def test_chat_keeps_the_conversation(run_dir: Path, tiny_server: Server,
+                                     tiny_model_dir: Path) -> None:
+    """Two lines on stdin: the second turn is sent with the first turn and its reply, so
+    the server's second prompt is longer, and the replies equal a local session's."""
+    args = ["chat", "--max-tokens", "6", "--model", str(tiny_model_dir), *TINY]
+    lines = "The quick brown\nfox jumps\n"
+    before = tiny_server.log.read_text().count("chatcmpl-")
+    remote, local = (kvloop(run_dir, *args, stdin=lines),
+                     kvloop(run_dir, *args, "--local", stdin=lines))
+    assert remote.rc == local.rc == 0, remote.err + local.err
+    assert remote.out == local.out and remote.out.count(">>> ") == 3
+    assert sum(ln.startswith("[TTFT") for ln in remote.err.splitlines()) == 2
+    finished = [ln for ln in tiny_server.log.read_text().splitlines()
+                if "chatcmpl-" in ln and " finished: " in ln][before:]
+    prompts = [int(ln.split("| prompt ")[1].split()[0]) for ln in finished]
+    assert len(prompts) == 2 and prompts[1] > prompts[0] + 6, finished
+
+
+def test_another_model_or_options_fall_back_with_one_line(
+        run_dir: Path, tiny_server: Server, tiny_model_dir: Path, tmp_path: Path) -> None:
+    other = write_tiny_model(tmp_path / "other-tiny", seed=1)
+    for flags, said in ((["--model", str(other), *TINY], "serves "),
+                        (["--model", str(tiny_model_dir), "--kv-cache-memory", "16MiB"],
+                         "(--kv-cache-memory: '32MiB' there, '16MiB' asked)")):
+        run = kvloop(run_dir, "generate", "The", "--max-tokens", "3", "--json", *flags)
+        assert run.rc == 0, run.err
+        notes = run.err.strip().splitlines()
+        assert len(notes) == 1 and notes[0].startswith("kvloop: the engine at ") \
+            and said in notes[0] and notes[0].endswith("running one-shot"), run.err
+        assert json.loads(run.out)["load_seconds"] > 0  # loaded here: one-shot
+
+
+def test_a_stale_run_file_is_ignored_and_removed(tmp_path: Path, tiny_model_dir: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    base = {"model": "x", "model_identity": {}, "engine_options": {}, "started": time.time()}
+    (tmp_path / f"serve-{dead.pid}.json").write_text(json.dumps(
+        {**base, "url": "http://127.0.0.1:9", "pid": dead.pid}))
+    # A live pid (this test's) whose address refuses connections: the server lost it.
+    (tmp_path / f"serve-{os.getpid()}.json").write_text(json.dumps(
+        {**base, "url": "http://127.0.0.1:9", "pid": os.getpid()}))
+    (tmp_path / "serve-1.json").write_text("{not json")
+    run = kvloop(tmp_path, "generate", "The", "--max-tokens", "3", "--json",
+                 "--model", str(tiny_model_dir), *TINY)
+    assert run.rc == 0 and run.err == "", run.err
+    assert json.loads(run.out)["load_seconds"] > 0
+    assert run_files(tmp_path) == []
+
+
+def test_a_server_killed_mid_stream_is_one_error_and_exit_1(tmp_path: Path,
+                                                            tiny_model_dir: Path) -> None:
+    with serve(tmp_path, tiny_model_dir, *TINY) as server:
+        cli = subprocess.Popen(
+            [sys.executable, "-m", "kvloop.cli", "generate", "The", "--max-tokens", "2000",
+             "--ignore-eos", *TINY], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=env_for(tmp_path))
+        try:
+            assert cli.stdout is not None and cli.stdout.read(1)  # the answer has begun
+            server.proc.kill()
+            _, err = cli.communicate(timeout=60)
+        finally:
+            if cli.poll() is None:
+                cli.kill()
+    assert cli.returncode == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("kvloop: error: lost the engine at "), err
+
+
+def test_the_api_key_is_required_when_set(tmp_path: Path, tiny_model_dir: Path) -> None:
+    with serve(tmp_path, tiny_model_dir, *TINY, KVLOOP_API_KEY="s3cret") as server:
+        assert server.info["api_key_required"] is True
+        assert "s3cret" not in json.dumps(server.info)  # never written down
+        args = ["generate", "The", "--max-tokens", "3", "--json", *TINY]
+        without, wrong, right = (kvloop(tmp_path, *args),
+                                 kvloop(tmp_path, *args, KVLOOP_API_KEY="nope"),
+                                 kvloop(tmp_path, *args, KVLOOP_API_KEY="s3cret"))
+    for run in (without, wrong):
+        assert run.rc == 1 and run.out == "", run.err
+        assert run.err.startswith("kvloop: error: ") and "KVLOOP_API_KEY" in run.err
+        assert run.err.count("\n") == 1
+    assert right.rc == 0 and json.loads(right.out)["load_seconds"] == 0.0, right.err
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 from kvloop.client import Answer, Remote, RemoteError
@@ -414,11 +414,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     engine_options(args)
     if args.system is not None:
         _check_text(args.system, "--system")
-    llm = _make_llm(args)
-    if not llm.tokenizer.chat_template:  # say so now, not after the first line is typed
-        from kvloop.loading.tokenizer import NO_CHAT_TEMPLATE
-
-        raise KvloopError(NO_CHAT_TEMPLATE)
+    remote = _resident(args)
+    turn = _remote_turn(remote, params) if remote is not None else _local_turn(args, params)
     history: list[dict[str, str]] = (
         [{"role": "system", "content": args.system}] if args.system else [])
     print("kvloop chat: /reset clears the history, /exit or Ctrl-D quits.", file=sys.stderr)
@@ -445,22 +442,64 @@ def cmd_chat(args: argparse.Namespace) -> int:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        reply, last = [], None
+        reply: list[str] = []
+        metrics = None
         try:
-            for out in llm.stream_outputs(llm.tokenizer.encode_chat(history), params):
-                if out.outputs[0].delta:
-                    reply.append(out.outputs[0].delta)
-                    sys.stdout.write(out.outputs[0].delta)
-                    sys.stdout.flush()
-                last = out
+            for piece in turn(history):
+                if isinstance(piece, dict):
+                    metrics = piece
+                    continue
+                reply.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
         except KvloopError as e:  # e.g. the conversation outgrew the context
             print(f"\nkvloop: error: {e}", file=sys.stderr)
             history.pop()
             continue
+        except RemoteError:  # the engine is gone: the session ends (exit 1)
+            print()
+            raise
         print()
-        if last is not None:
-            print(_figures(last.metrics.as_dict()), file=sys.stderr)
+        if metrics is not None:
+            print(_figures(metrics), file=sys.stderr)
         history.append({"role": "assistant", "content": "".join(reply)})
+
+
+# One turn of a conversation: the reply's text pieces as they come, then its metrics.
+Turn = Callable[[list[dict[str, str]]], Iterator[str | dict[str, Any]]]
+
+
+def _local_turn(args: argparse.Namespace, params: SamplingParams) -> Turn:
+    llm = _make_llm(args)
+    if not llm.tokenizer.chat_template:  # say so now, not after the first line is typed
+        from kvloop.loading.tokenizer import NO_CHAT_TEMPLATE
+
+        raise KvloopError(NO_CHAT_TEMPLATE)
+
+    def turn(history: list[dict[str, str]]) -> Iterator[str | dict[str, Any]]:
+        last = None
+        for out in llm.stream_outputs(llm.tokenizer.encode_chat(history), params):
+            if out.outputs[0].delta:
+                yield out.outputs[0].delta
+            last = out
+        if last is not None:
+            yield last.metrics.as_dict()
+
+    return turn
+
+
+def _remote_turn(remote: Remote, params: SamplingParams) -> Turn:
+    """A turn on the resident engine: the conversation goes as messages, the server
+    applies the chat template (this process has no tokenizer)."""
+    from kvloop import client
+
+    body = client.sampling_body(params, chat=True)
+
+    def turn(history: list[dict[str, str]]) -> Iterator[str | dict[str, Any]]:
+        for piece in client.stream_text(remote, {**body, "messages": history}, chat=True):
+            yield piece.metrics if isinstance(piece, Answer) else piece
+
+    return turn
 
 
 def cmd_roofline(args: argparse.Namespace) -> int:
