@@ -21,6 +21,14 @@ def _private_layout_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["KVLOOP_CACHE_DIR"] = str(tmp_path_factory.mktemp("kvloop-cache"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _private_run_files(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Servers the tests start write their run files here, and CLI tests look here: a
+    `kvloop serve` the user left running must never answer a test's `kvloop generate`."""
+    os.environ["KVLOOP_RUNTIME_DIR"] = str(tmp_path_factory.mktemp("kvloop-run"))
+    os.environ.pop("KVLOOP_SERVER", None)
+
+
 def require_native_kernels() -> None:
     """Skip a kernel test where the native kernels cannot be built, unless the run asks
     for them (``KVLOOP_REQUIRE_KERNELS=1``, set by ``make test``): there a failed build
