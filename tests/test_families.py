@@ -144,7 +144,7 @@ def test_config_mapping(family_dirs: dict[str, Path]) -> None:
 
 # Families whose layers the C++ decode step computes (their windows included); the others
 # must be declined.
-NATIVE = {"llama", "llama3", "qwen2", "phi3", "mistral", "gemma3"}
+NATIVE = {"llama", "llama3", "qwen2", "phi3", "mistral", "gemma2", "gemma3"}
 
 
 @pytest.mark.parametrize("family", sorted(TINY_FAMILIES))

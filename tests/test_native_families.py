@@ -6,9 +6,10 @@ Each tiny random model switches on what its family has, with sliding windows tha
 rope bases (and linear scaling on the global layers), embedding scale, tied and untied
 heads, final logit soft-capping; Mistral's window on every layer (one sliding KV cache
 group); Qwen2's q/k/v biases with use_sliding_window (a full and a sliding group); Phi-3's
-fused tensors with a window. Greedy tokens must equal the modules' (use_kernels=False) and
-transformers', for each prompt alone and for a batch of 16 with chunked prefill and
-preemption; the native step must be what ran (runner.decoder, counted calls).
+fused tensors with a window; Gemma 2's attention and final logit soft-capping. Greedy
+tokens must equal the modules' (use_kernels=False) and transformers', for each prompt
+alone and for a batch of 16 with chunked prefill and preemption; the native step must be
+what ran (runner.decoder, counted calls). Also the kernel's soft-capping on its own.
 """
 
 from __future__ import annotations
@@ -22,13 +23,17 @@ import torch
 
 from conftest import (
     require_native_kernels,
+    write_tiny_gemma2,
     write_tiny_gemma3,
     write_tiny_mistral,
     write_tiny_phi3,
     write_tiny_qwen2,
 )
 from kvloop import LLM, SamplingParams
+from kvloop.kernels import paged_attention as pa
+from kvloop.models.attention import softcapped_sdpa
 from kvloop.models.native import describe, native_supported
+from test_kernels import ATOL, RTOL, make_case
 from test_model_parity import compare_greedy, hf_greedy
 
 WINDOW = 16
@@ -75,6 +80,8 @@ MODELS: dict[str, tuple[Callable[[Path], Path], int]] = {
     # One full and one sliding group of one layer each.
     "qwen2-sliding": (qwen2_sliding, 48 * 4096),
     "phi3-sliding": (phi3_sliding, 24 * 8192),
+    # Attention and final soft-capping; 2 full + 2 sliding layers: two groups of two layers.
+    "gemma2": (write_tiny_gemma2, 48 * 16384),
 }
 
 
@@ -155,3 +162,28 @@ def test_batch_chunked_and_preempted_matches_modules_and_transformers(
                   max_num_batched_tokens=CHUNK, use_kernels=False)
     assert greedy(modules, prompts) == got
     assert_matches_transformers(got, hf, prompts)
+
+
+@pytest.mark.parametrize("window", [0, 5, 40])
+def test_kernel_softcaps_the_scores(window: int) -> None:
+    """The paged-attention kernel's soft-capping (Gemma 2, as the native step runs it):
+    decode rows and prefill chunks in one call, windowed or not, against the modules'
+    softcapped_sdpa with the causal window mask."""
+    require_native_kernels()
+    ctx, rows = [1, 9, 40, 77], [1, 1, 12, 30]
+    D, H, Hkv, scale, cap = 32, 4, 2, 0.2, 3.0
+    case = make_case(ctx, Hkv, D, 16, seed=window)
+    q = torch.randn(sum(rows), H, D, generator=torch.Generator().manual_seed(window)) * 4
+    qstart = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()])
+    out = pa.paged_attention_varlen(q, case.cache, case.tables, qstart, case.ctx, 16, scale,
+                                    window, softcap=cap)
+    uncapped = pa.paged_attention_varlen(q, case.cache, case.tables, qstart, case.ctx, 16,
+                                         scale, window)
+    assert not torch.allclose(out, uncapped, atol=1e-2)  # the cap bites at these scores
+    for i, (c, n) in enumerate(zip(ctx, rows, strict=True)):
+        r = slice(int(qstart[i]), int(qstart[i + 1]))
+        qpos, kpos = torch.arange(c - n, c)[:, None], torch.arange(c)[None, :]
+        mask = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
+        want = softcapped_sdpa(q[r].transpose(0, 1)[None], case.keys[i][None],
+                               case.values[i][None], attn_mask=mask, scale=scale, softcap=cap)
+        torch.testing.assert_close(out[r], want[0].transpose(0, 1), atol=ATOL, rtol=RTOL)

@@ -38,17 +38,19 @@ def paged_attention_varlen(
     scale: float,
     window: int = 0,
     kv_scales: torch.Tensor | None = None,  # [2, Hkv, slots] fp16, for an int8 cache
+    softcap: float = 0.0,
 ) -> torch.Tensor:  # [T, H, D]
     """Decode rows and prefill chunks in one call.
 
     Sequence n owns rows ``query_start[n]:query_start[n+1]`` of q: the last L of its
     ``context_lens[n]`` positions. Row i of them sees keys ``0 .. ctx - L + i`` (causal);
     with ``window`` > 0 only the last ``window`` of those (a sliding-window layer), and
-    table entries of blocks before the first visible key are never read.
+    table entries of blocks before the first visible key are never read. ``softcap`` > 0:
+    scores = softcap * tanh(scores / softcap) before the softmax (Gemma 2).
     """
     return _ext().paged_attention_varlen(
         q.contiguous(), kv_cache, block_tables, query_start, context_lens, block_size, scale,
-        window, kv_scales,
+        window, kv_scales, softcap,
     )
 
 

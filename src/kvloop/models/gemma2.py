@@ -2,8 +2,9 @@
 
 - no QK-norm; one rope base for every layer (no local base);
 - attention logit softcapping: scores = cap * tanh(scores / cap), after the scale and
-  before the mask and softmax. No kernel caps: the decode rows gather their context
-  (without_decode_kernel) and attention runs attention.softcapped_sdpa;
+  before the mask and softmax. On the modules the decode rows gather their context
+  (without_decode_kernel: the Python-facing kernel call does not cap) and attention runs
+  attention.softcapped_sdpa; the native step caps in its kernel;
 - sliding and global layers alternate (layer i slides when i is even), final logit
   softcapping (30 in the released models), query_pre_attn_scalar, (1 + w) norms, pre- and
   post-norms, GeGLU with tanh GELU, embeddings scaled by sqrt(hidden): as Gemma 3.
@@ -149,11 +150,11 @@ def _gguf_tensor(name: str, w: np.ndarray) -> np.ndarray:
 GGUF_LAYER_NAMES = {gg: hf for gg, hf in gemma3.GGUF_LAYER_NAMES.items()
                     if not hf.endswith(("q_norm.weight", "k_norm.weight"))}
 
-# Gemma 2 runs on the modules: the native step has no attention softcapping yet.
+# Gemma 3's description serves (no QK-norm; one rope base: both tables are alike).
 ARCHITECTURES = (
     Architecture(
         name="gemma2", model_class=Gemma2ForCausalLM, tensor_shapes=gemma2_tensor_shapes,
         gguf_layer_names=GGUF_LAYER_NAMES, gguf_global_names=gemma3.GGUF_GLOBAL_NAMES,
         gguf_permute_qk=False, gguf_config=_gguf_config, hf_config=_hf_config,
-        gguf_tensor=_gguf_tensor),
+        gguf_tensor=_gguf_tensor, describe=gemma3.describe),
 )

@@ -50,13 +50,12 @@ def describe(model: CausalLM) -> ModelSpec | None:
 
 def native_supported(model: CausalLM) -> bool:
     """Whether the C++ decoder computes this model: its architecture describes its layers
-    (Architecture.describe) and no layer asks for what the decoder lacks (attention logit
-    soft-capping; an activation other than SiLU or tanh GELU). Anything declined runs on
-    the modules: a wrong answer is never the price of speed."""
+    (Architecture.describe) and no layer asks for what the decoder lacks (an activation
+    other than SiLU or tanh GELU). Anything declined runs on the modules: a wrong answer
+    is never the price of speed."""
     spec = describe(model)
-    return spec is not None and all(
-        layer.attn_softcap is None and layer.activation in (SILU, GELU_TANH)
-        for layer in spec.layers)
+    return spec is not None and all(layer.activation in (SILU, GELU_TANH)
+                                    for layer in spec.layers)
 
 
 def attach_native_linears(model: CausalLM) -> None:
@@ -144,4 +143,5 @@ def _layer_spec(k: Any, layer: LayerSpec, group: int) -> Any:
     out.post_norms = layer.post_attn_norm is not None
     out.activation = _activation_codes()[layer.activation]
     out.scale, out.window, out.group, out.rope = layer.scale, layer.window, group, layer.rope
+    out.softcap = layer.attn_softcap or 0.0
     return out

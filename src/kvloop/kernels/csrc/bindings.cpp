@@ -35,7 +35,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Paged attention for decode rows and prefill chunks over a block-table KV cache",
         py::arg("q"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("query_start"),
         py::arg("context_lens"), py::arg("block_size"), py::arg("scale"), py::arg("window"),
-        py::arg("kv_scales") = py::none(), Release());
+        py::arg("kv_scales") = py::none(), py::arg("softcap") = 0.0, Release());
   m.def("kv_store", &kvloop::kv_store,
         "k, v [T, Hkv, D] fp32 written at slot_mapping [T] in the cache's dtype (the "
         "decoder's rounding)",
@@ -72,7 +72,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("scale", &LayerSpec::scale)
       .def_readwrite("window", &LayerSpec::window)
       .def_readwrite("group", &LayerSpec::group)
-      .def_readwrite("rope", &LayerSpec::rope);
+      .def_readwrite("rope", &LayerSpec::rope)
+      .def_readwrite("softcap", &LayerSpec::softcap);
   m.attr("SILU") = kvloop::kSiLU;
   m.attr("GELU_TANH") = kvloop::kGeluTanh;
 

@@ -102,8 +102,8 @@ void Decoder::add_layer(at::Tensor attn_norm, std::shared_ptr<QLinear> qkv,
               "down projection has the wrong shape");
   TORCH_CHECK(spec.activation == kSiLU || spec.activation == kGeluTanh,
               "unknown activation ", spec.activation);
-  TORCH_CHECK(spec.scale >= 0.0 && spec.window >= 0 && spec.group >= 0,
-              "scale, window and group must be >= 0");
+  TORCH_CHECK(spec.scale >= 0.0 && spec.window >= 0 && spec.group >= 0 && spec.softcap >= 0.0,
+              "scale, window, group and softcap must be >= 0");
   TORCH_CHECK(spec.rope >= 0 && spec.rope < static_cast<int64_t>(cos_.size()),
               "rope table ", spec.rope, " was not added");
   TORCH_CHECK(spec.post_norms == (post_attn_norm.has_value() && post_mlp_norm.has_value()),
@@ -234,7 +234,7 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
       group_slots.push_back(std::move(gs));
     }
   }
-  // One attention plan per (group, window, scale) the layers use; the plan checks every
+  // One attention plan per (group, window, scale, softcap) the layers use; the plan checks every
   // block id the step's attention reads (and again the rows and contexts checked above),
   // then every layer of its kind runs it.
   std::vector<AttentionPlan> plans;
@@ -247,11 +247,12 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
     size_t k = 0;
     while (k < plan_key.size() && !(plan_key[k]->group == sp.group &&
                                     plan_key[k]->window == sp.window &&
-                                    plan_key[k]->scale == sp.scale))
+                                    plan_key[k]->scale == sp.scale &&
+                                    plan_key[k]->softcap == sp.softcap))
       ++k;
     if (k == plan_key.size()) {
       plans.emplace_back(M, Hq, Hkv, D, num_slots, group_t[sp.group], qstart_t, ctx_t,
-                         block_size, sp.scale, sp.window);
+                         block_size, sp.scale, sp.window, sp.softcap);
       plan_key.push_back(&sp);
     }
     plan_of[li] = k;

@@ -37,7 +37,7 @@ class AttentionPlan {
   AttentionPlan(int64_t T, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                 int64_t slots, const at::Tensor& block_tables,
                 const std::optional<at::Tensor>& query_start, const at::Tensor& context_lens,
-                int64_t block_size, double scale, int64_t window = 0);
+                int64_t block_size, double scale, int64_t window = 0, double softcap = 0.0);
   // q [T, H, D] -> out [T, H, D] (raw contiguous fp32) over the cache `kv` (kv_view).
   void run(const float* q, const KVView& kv, float* out) const;
 
@@ -45,6 +45,7 @@ class AttentionPlan {
   int64_t H_, Hkv_, D_, slots_, block_size_;
   float scale_;
   int64_t window_;  // sliding window (0: none)
+  float softcap_;    // attention logit soft-capping (0: none)
   at::Tensor tables_t_, qstart_t_, ctx_t_;
   std::vector<AttentionItem> items_;
   std::vector<int64_t> prefix_;  // [items + 1] running cost
@@ -55,7 +56,8 @@ at::Tensor paged_attention_varlen(const at::Tensor& q, const at::Tensor& kv_cach
                                   const std::optional<at::Tensor>& query_start,
                                   const at::Tensor& context_lens, int64_t block_size,
                                   double scale, int64_t window,
-                                  const std::optional<at::Tensor>& kv_scales = std::nullopt);
+                                  const std::optional<at::Tensor>& kv_scales = std::nullopt,
+                                  double softcap = 0.0);
 // A layer's cache ([2, Hkv, slots, D] fp32 / bf16 / fp16 / int8, with its [2, Hkv, slots]
 // fp16 scales for int8), checked, as the kernels address it.
 KVView kv_view(const at::Tensor& cache, const std::optional<at::Tensor>& scales);
@@ -171,13 +173,14 @@ struct LayerSpec {
   int64_t window = 0;       // sliding window (keys a query sees, its own included); 0: all
   int64_t group = 0;        // KV cache group: whose block table the layer's cache follows
   int64_t rope = 0;         // which rope table (Decoder::add_rope; 0: the constructor's)
+  double softcap = 0.0;     // > 0: scores = softcap * tanh(scores / softcap) (Gemma 2)
 };
 constexpr int64_t kSiLU = 0, kGeluTanh = 1;
 
 // All layers of one step in one call: embedding rows (times an embedding scale), then per
 // layer RMSNorm, fused QKV (with its bias), optional QK-norm, rotary embedding from the
 // layer's table, K/V written into the paged cache of the layer's KV cache group, paged
-// attention (windowed for sliding layers), output projection (optionally post-normed),
+// attention (windowed for sliding layers, soft-capped where asked), output projection (optionally post-normed),
 // residual, RMSNorm, fused gate/up, act(gate) x up, down projection (optionally
 // post-normed), residual; final norm. The head's logits optionally soft-capped.
 // Python dispatch of ~15 small ops per layer costs more than the arithmetic at batch 1,

@@ -7,7 +7,8 @@
 // over a cached prefix is L > 1 (causal inside the chunk). With a sliding `window` > 0,
 // position p sees only keys p - window + 1 .. p (HF's sliding-window mask): the walk over
 // the keys starts at the item's first visible one, so blocks before it (dropped from a
-// sliding KV cache group, whatever their table entries say) are never read.
+// sliding KV cache group, whatever their table entries say) are never read. A plan may
+// soft-cap the scaled scores (Gemma 2: cap * tanh(score / cap)) before the softmax.
 //
 // Work item = (sequence, kv head, tile of query rows). All query heads of the GQA group
 // (and, for prefill, several rows) are handled together, so each K/V row is pulled from
@@ -316,6 +317,7 @@ struct Problem {
   float scale;
   int64_t window;  // > 0: sliding window (keys a query sees, its own included); 0: none
   int64_t key_block;  // int8: keys are stored rotated over blocks of this (kv_dtype.h)
+  float softcap;      // > 0: scores = softcap * tanh(scores / softcap) (Gemma 2); 0: none
 };
 
 // The first key position `pos` sees.
@@ -446,6 +448,8 @@ void run_item(const Problem& P, const index_t* tables, const Item& it, const Ite
       std::fill(sm, sm + a, 0.f);
       std::fill(sm + nv, sm + n, 0.f);
       if (nv == a) continue;
+      if (P.softcap > 0.f)  // on the scaled scores, before the softmax (HF's order)
+        for (int64_t j = a; j < nv; ++j) sm[j] = P.softcap * std::tanh(sm[j] / P.softcap);
       const float new_max = std::max(run_max[m], max_of(sm + a, nv - a));
       const float sum = exp_shift_sum(sm + a, nv - a, new_max);
       if (new_max != run_max[m]) {
@@ -524,10 +528,12 @@ AttentionPlan::AttentionPlan(int64_t T, int64_t num_heads, int64_t num_kv_heads,
                              int64_t head_dim, int64_t slots, const at::Tensor& block_tables,
                              const std::optional<at::Tensor>& query_start,
                              const at::Tensor& context_lens, int64_t block_size, double scale,
-                             int64_t window)
+                             int64_t window, double softcap)
     : H_(num_heads), Hkv_(num_kv_heads), D_(head_dim), slots_(slots),
-      block_size_(block_size), scale_(static_cast<float>(scale)), window_(window) {
+      block_size_(block_size), scale_(static_cast<float>(scale)), window_(window),
+      softcap_(static_cast<float>(softcap)) {
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: no sliding window)");
+  TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: none)");
   TORCH_CHECK(block_tables.dim() == 2 && (block_tables.scalar_type() == at::kLong ||
                                           block_tables.scalar_type() == at::kInt),
               "block_tables must be an int32/int64 [N, max_blocks] tensor");
@@ -595,7 +601,7 @@ void AttentionPlan::run(const float* q, const KVView& kv, float* out) const {
               "the KV cache's shape is not the one the attention plan was built for");
   const Problem P{q, kv.data, kv.scales, out, qstart_t_.data_ptr<int64_t>(),
                   ctx_t_.data_ptr<int64_t>(), H_, Hkv_, H_ / Hkv_, D_, slots_, block_size_,
-                  tables_t_.size(1), scale_, window_, kv.key_block};
+                  tables_t_.size(1), scale_, window_, kv.key_block, softcap_};
   AT_DISPATCH_INDEX_TYPES(tables_t_.scalar_type(), "paged_attention", [&] {
     dispatch_kv(kv.dtype, [&](auto elem) {
       run_items<index_t, decltype(elem)>(P, tables_t_.data_ptr<index_t>(), items_, prefix_,
@@ -664,20 +670,21 @@ void kv_store(const at::Tensor& kv_cache, const std::optional<at::Tensor>& kv_sc
 // kv_scales [2, Hkv, slots] fp16); block_tables [N, max_blocks] int32/int64; query_start
 // [N + 1] int64, row offsets into q (None: one row per sequence); context_lens [N] int64,
 // tokens in the cache including the query rows; window > 0: each row sees only its last
-// `window` positions (0: all). Returns [T, H, D] fp32.
+// `window` positions (0: all); softcap > 0: scores = softcap * tanh(scores / softcap)
+// (0: none). Returns [T, H, D] fp32.
 at::Tensor paged_attention_varlen(const at::Tensor& q, const at::Tensor& kv_cache,
                                   const at::Tensor& block_tables,
                                   const std::optional<at::Tensor>& query_start,
                                   const at::Tensor& context_lens, int64_t block_size,
                                   double scale, int64_t window,
-                                  const std::optional<at::Tensor>& kv_scales) {
+                                  const std::optional<at::Tensor>& kv_scales, double softcap) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "q must be a contiguous float32 [T, H, D] tensor");
   TORCH_CHECK(!q.is_cuda(), "CPU tensors only");
   const KVView kv = kv_view(kv_cache, kv_scales);
   TORCH_CHECK(kv.D == q.size(2), "head_dim of q and kv_cache differ");
   const AttentionPlan plan(q.size(0), q.size(1), kv.Hkv, q.size(2), kv.slots, block_tables,
-                           query_start, context_lens, block_size, scale, window);
+                           query_start, context_lens, block_size, scale, window, softcap);
   auto out = at::empty_like(q);
   plan.run(q.data_ptr<float>(), kv, out.data_ptr<float>());
   return out;
