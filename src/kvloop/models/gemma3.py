@@ -36,7 +36,6 @@ from kvloop.models.base import (
     Architecture,
     ConfigReader,
     Dim,
-    LayerSpec,
     ModelSpec,
     config_dims,
 )
@@ -260,22 +259,20 @@ def describe(model: Gemma3ForCausalLM) -> ModelSpec:
     local layers their window and rope table 1 (the local base), global ones table 0.
     Embeddings scaled by sqrt(hidden), logits by the final softcap."""
     c = model.config
+
+    def factor(norm: nn.Module) -> torch.Tensor:
+        return cast(torch.Tensor, norm.scale).detach()
+
     layers = []
     for module in model.layers:
         layer = cast(DecoderLayer, module)
-        attn, mlp = layer.self_attn, layer.mlp
-        qk_norm = attn.qk_norm_cls is not None
-        layers.append(LayerSpec(
-            attn_norm=layer.input_layernorm.scale.detach(), qkv=attn.qkv_proj,
-            o_proj=attn.o_proj, mlp_norm=layer.pre_feedforward_layernorm.scale.detach(),
-            gate_up=mlp.gate_up_proj, down=mlp.down_proj, scale=attn.scale,
-            activation=GELU_TANH,
-            post_attn_norm=layer.post_attention_layernorm.scale.detach(),
-            post_mlp_norm=layer.post_feedforward_layernorm.scale.detach(),
-            q_norm=attn.q_norm.scale.detach() if qk_norm else None,
-            k_norm=attn.k_norm.scale.detach() if qk_norm else None,
+        layers.append(llama.block_spec(
+            layer.self_attn, layer.mlp, factor, layer.input_layernorm,
+            layer.pre_feedforward_layernorm, activation=GELU_TANH,
+            post_attn_norm=factor(layer.post_attention_layernorm),
+            post_mlp_norm=factor(layer.post_feedforward_layernorm),
             window=(c.sliding_window or 0) if layer.sliding else 0,
-            rope=1 if layer.sliding else 0, attn_softcap=attn.softcap))
+            rope=1 if layer.sliding else 0))
     ropes = [(model.rope.cos, model.rope.sin), (model.local_rope.cos, model.local_rope.sin)]
     return ModelSpec(layers, ropes, model.norm.scale.detach(), embed_scale=model.embed_scale,
                      final_softcap=c.final_logit_softcapping)

@@ -369,24 +369,36 @@ def _no_extras(reader: ConfigReader, config: ModelConfig) -> ModelConfig:
     return config
 
 
+def block_spec(attn: Attention, mlp: MLP, factor: Callable[[nn.Module], torch.Tensor],
+               attn_norm: nn.Module, mlp_norm: nn.Module, **differences: Any) -> LayerSpec:
+    """One layer's description from the attention and MLP modules every family shares;
+    `factor` reads a norm's multiplier (Llama's weight, Gemma's folded 1 + w), and
+    `differences` are the family's own LayerSpec fields (window, activation, post-norms)."""
+    qk_norm = attn.qk_norm_cls is not None
+    return LayerSpec(
+        attn_norm=factor(attn_norm), qkv=attn.qkv_proj, o_proj=attn.o_proj,
+        mlp_norm=factor(mlp_norm), gate_up=mlp.gate_up_proj, down=mlp.down_proj,
+        scale=attn.scale, q_norm=factor(attn.q_norm) if qk_norm else None,
+        k_norm=factor(attn.k_norm) if qk_norm else None, attn_softcap=attn.softcap,
+        **differences)
+
+
 def describe(model: LlamaForCausalLM) -> ModelSpec:
     """The Llama layer as the native step's description: pre-norms, SiLU, head_dim**-0.5;
     Mistral's and Qwen2's sliding layers their window, Qwen2's biases in the fused q/k/v,
     QK-norm where the attention has it (Qwen3)."""
     c = model.config
+
+    def factor(norm: nn.Module) -> torch.Tensor:
+        return cast(torch.Tensor, norm.weight).detach()
+
     layers = []
     for i, module in enumerate(model.layers):
         layer = cast(DecoderLayer, module)
-        attn, mlp = layer.self_attn, layer.mlp
-        qk_norm = attn.qk_norm_cls is not None
-        layers.append(LayerSpec(
-            attn_norm=layer.input_layernorm.weight.detach(), qkv=attn.qkv_proj,
-            o_proj=attn.o_proj, mlp_norm=layer.post_attention_layernorm.weight.detach(),
-            gate_up=mlp.gate_up_proj, down=mlp.down_proj, scale=attn.scale,
-            q_norm=attn.q_norm.weight.detach() if qk_norm else None,
-            k_norm=attn.k_norm.weight.detach() if qk_norm else None,
-            window=(c.sliding_window or 0) if model.sliding[i] else 0,
-            attn_softcap=attn.softcap))
+        layers.append(block_spec(
+            layer.self_attn, layer.mlp, factor, layer.input_layernorm,
+            layer.post_attention_layernorm,
+            window=(c.sliding_window or 0) if model.sliding[i] else 0))
     return ModelSpec(layers, [(model.rope.cos, model.rope.sin)], model.norm.weight.detach())
 
 
