@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -27,6 +30,27 @@ def _private_run_files(tmp_path_factory: pytest.TempPathFactory) -> None:
     `kvloop serve` the user left running must never answer a test's `kvloop generate`."""
     os.environ["KVLOOP_RUNTIME_DIR"] = str(tmp_path_factory.mktemp("kvloop-run"))
     os.environ.pop("KVLOOP_SERVER", None)
+
+
+def metric(text: str, name: str) -> float:
+    """One unlabelled sample of a Prometheus text page (/metrics)."""
+    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def wait_until_idle(fetch_metrics: Callable[[], str], timeout: float = 10.0) -> str:
+    """Poll a server's /metrics page until nothing runs, waits or holds a KV block (aborts
+    land between engine steps, so allow a moment); the last page read."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = fetch_metrics()
+        busy = tuple(metric(text, f"kvloop_{m}") for m in
+                     ("num_requests_running", "num_requests_waiting", "kv_cache_blocks_used"))
+        if busy == (0, 0, 0):
+            return text
+        assert time.monotonic() < deadline, f"still busy (running, waiting, blocks): {busy}"
+        time.sleep(0.05)
 
 
 def require_native_kernels() -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from typing import Any
 import httpx
 import pytest
 
+from conftest import wait_until_idle
 from kvloop.engine import grammar_limits as gl
 from kvloop.engine.structured import grammar_text, schema_error
 from kvloop.errors import InvalidParamsError
@@ -316,22 +316,8 @@ class Server:
     def assert_whole(self, probe_text: str) -> None:
         """Alive, nothing running, waiting or holding a KV block, the probe unchanged."""
         assert self.proc.poll() is None, self.log.read_text(errors="replace")[-3000:]
-        deadline = time.monotonic() + 10
-        while True:
-            text = self.client.get("/metrics").text
-            busy = [_metric(text, f"kvloop_{m}") for m in
-                    ("num_requests_running", "num_requests_waiting", "kv_cache_blocks_used")]
-            if busy == [0, 0, 0]:
-                break
-            assert time.monotonic() < deadline, f"still busy: {busy}"
-            time.sleep(0.05)
+        wait_until_idle(lambda: self.client.get("/metrics").text)
         assert self.probe() == probe_text
-
-
-def _metric(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    assert m, f"{name} not in /metrics"
-    return float(m.group(1))
 
 
 def _free_port() -> int:

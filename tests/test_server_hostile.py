@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import select
 import socket
 import time
@@ -22,6 +21,7 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
+from conftest import metric, wait_until_idle
 from kvloop.config import EngineConfig
 from kvloop.engine.llm_engine import LLMEngine
 from kvloop.server.app import ServerSettings, create_app
@@ -65,24 +65,10 @@ def target(tiny_model_dir: Path) -> Iterator[Target]:
         t.client.close()
 
 
-def metric(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    assert m, f"{name} not in /metrics"
-    return float(m.group(1))
-
-
 def assert_whole(t: Target, timeout: float = 10.0) -> None:
     """The server survived: nothing runs, waits or holds a block (aborts land between
     engine steps, so allow a moment), /health is ok, the probe's answer is unchanged."""
-    deadline = time.monotonic() + timeout
-    while True:
-        text = t.client.get("/metrics").text
-        busy = tuple(metric(text, f"kvloop_{m}") for m in
-                     ("num_requests_running", "num_requests_waiting", "kv_cache_blocks_used"))
-        if busy == (0, 0, 0):
-            break
-        assert time.monotonic() < deadline, f"still busy (running, waiting, blocks): {busy}"
-        time.sleep(0.05)
+    wait_until_idle(lambda: t.client.get("/metrics").text, timeout)
     assert t.client.get("/health").status_code == 200
     assert t.probe() == t.probe_text
     text = t.client.get("/metrics").text

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
+from conftest import wait_until_idle
 from kvloop import LLM, SamplingParams
 from kvloop.config import EngineConfig
 from kvloop.engine.llm_engine import LLMEngine
@@ -226,15 +227,7 @@ def test_200_requests_from_32_clients(server: BackgroundServer, tiny_model_dir: 
     assert dropped and all(results[j.i].status == 200 for j in dropped)
 
     # Every hang-up was aborted and freed its blocks: nothing runs, waits or holds a block.
-    deadline = time.monotonic() + 10
-    while True:
-        text = httpx.get(f"{server.url}/metrics").text
-        busy = [metric(text, f"kvloop_{m}") for m in
-                ("num_requests_running", "num_requests_waiting", "kv_cache_blocks_used")]
-        if busy == [0, 0, 0]:
-            break
-        assert time.monotonic() < deadline, f"still busy (running, waiting, blocks): {busy}"
-        time.sleep(0.05)
+    text = wait_until_idle(lambda: httpx.get(f"{server.url}/metrics").text)
     aborted = metric(text, 'kvloop_requests_finished_total{finish_reason="abort"}')
     assert aborted == len(dropped)
     assert metric(text, "kvloop_kv_cache_blocks_total") > 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conftest import metric
 from kvloop.errors import ModelLoadError
 from kvloop.loading import chat_template
 from kvloop.loading.chat_template import (
@@ -125,12 +125,6 @@ def test_workers_are_reused_and_renders_stay_cheap() -> None:
 
 
 # --- the server ---------------------------------------------------------------------------------
-def metric(text: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
-    assert m, f"{name} not in /metrics"
-    return float(m.group(1))
-
-
 def stream_gaps(url: str, model: str, stop: threading.Event, gaps: list[float]) -> None:
     """Greedy completion streams one after another until `stop`: the longest wait between
     two tokens of each goes into `gaps`."""
