@@ -40,9 +40,8 @@ class GemmPolicy:
 BF16_POLICY = GemmPolicy("AVX512-BF16", 16, True, 65)
 # Without fast bf16 (AVX2 + FMA, or AVX-512 without BF16): decoded to fp32.
 FP32_POLICY = GemmPolicy("AVX2 + FMA", 65, False, 65)
-# Back-compatible names of the AVX512-BF16 figures.
+# The AVX512-BF16 row threshold under the name the kernel tests use.
 BF16_MIN_ROWS = BF16_POLICY.quantized_min_rows
-FP32_BATCHED_MIN_ROWS = FP32_POLICY.fp32_min_rows
 
 
 def kernel_isa_is_reduced() -> bool:
