@@ -163,7 +163,12 @@ def test_served_hostile_template_freezes_nothing(tiny_model_dir: Path, tmp_path:
         streams.start()
         time.sleep(0.5)  # the stream is running
         health: list[float] = []
-        for content, words in (("freeze", "timed out"), ("bomb", "out of memory")):
+        # The bomb reaches the memory limit in ~0.35 s alone (test_memory_bomb_is_refused_by_
+        # the_memory_limit pins that limit); here it shares 2 cores with a streaming engine
+        # and can meet the 1 s limit first. Either is the worker's refusal, and what this
+        # test pins is that neither holds the server.
+        for content, words in (("freeze", ("timed out",)),
+                               ("bomb", ("out of memory", "timed out"))):
             with httpx.Client(base_url=server.url, timeout=10) as prober:
                 done = threading.Event()
 
@@ -183,7 +188,7 @@ def test_served_hostile_template_freezes_nothing(tiny_model_dir: Path, tmp_path:
                 done.set()
                 poller.join()
             assert r.status_code == 400, r.text
-            assert words in r.json()["error"]["message"], r.text
+            assert any(w in r.json()["error"]["message"] for w in words), r.text
             assert took < KILLED_WITHIN + 0.5, took
         assert streams.is_alive()  # it ran through both renders
         stop.set()
