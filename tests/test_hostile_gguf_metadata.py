@@ -77,6 +77,21 @@ def unused_floats(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def many_arrays(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """400 unknown keys of 65,536 uint16 values each (52 MB): each at most a per-key cap."""
+    path = tmp_path_factory.mktemp("gguf") / "many-arrays.gguf"
+    n, keys = 65_536, 400
+    with open(write_header(path, [kv_string("general.architecture", "llama")]), "r+b") as f:
+        f.seek(16)
+        f.write(struct.pack("<Q", 1 + keys))
+        f.seek(0, 2)
+        for k in range(keys):
+            f.write(kv_array_header(f"attacker.blob{k}", gguf.GGUFValueType.UINT16, n))
+            f.write(b"\0" * (2 * n))
+    return path
+
+
 def run_measured(model: Path) -> tuple[int, str, float]:
     """`kvloop generate` on the file in a fresh process: exit status, stderr and the
     process's peak resident memory in MiB (the wrapper's only child)."""
@@ -127,3 +142,16 @@ def test_tokens_beyond_the_embedding_rows_are_refused(tmp_path: Path) -> None:
     w.close()
     with pytest.raises(ValueError, match="20 entries, more than the token embedding's 16"):
         GGUFHeader(path)
+
+
+def test_many_arrays_share_one_budget(many_arrays: Path) -> None:
+    """The budget holds over the whole header: the first array fits it, the other 399 are
+    skipped, so the file's memory is not its size times an entry's Python cost."""
+    header = GGUFHeader(many_arrays)
+    assert header.metadata["attacker.blob0"] == [0] * 65_536
+    skipped = [k for k, v in header.metadata.items() if isinstance(v, SkippedArray)]
+    assert len(skipped) == 399
+    rc, err, peak = run_measured(many_arrays)
+    assert rc == 2, err
+    assert err.startswith("kvloop: error:") and err.count("\n") == 1, err
+    assert peak < PEAK_LIMIT_MIB, f"peak RSS {peak:.0f} MiB"

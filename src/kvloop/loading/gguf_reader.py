@@ -37,11 +37,14 @@ MAX_ARRAY_DEPTH = 8  # arrays of arrays: deeper is a crafted file
 #   `<arch>.vocab_size` key (when it came first) and never over MAX_VOCAB (the largest
 #   published vocabularies hold ~262k); after the header, at most the embedding's rows;
 # - merges: at most MAX_MERGES;
-# - any other key's array over MAX_KEPT_ARRAY entries is skipped, not built (kvloop reads
-#   no such array; its value is a SkippedArray saying what was there).
+# - the arrays of every other key together hold at most MAX_KEPT_ENTRIES entries (nested
+#   arrays' included): one that would pass that budget is skipped, not built (kvloop reads
+#   no such array; its value is a SkippedArray saying what was there). A budget over the
+#   whole header, not a cap per key: many keys just under a cap multiplied memory as one
+#   long array did. (Real files hold a few per-layer arrays of tens of entries.)
 MAX_VOCAB = 1 << 20
 MAX_MERGES = 1 << 21
-MAX_KEPT_ARRAY = 1 << 16
+MAX_KEPT_ENTRIES = 1 << 16
 VOCAB_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.token_type")
 MERGES_KEY = "tokenizer.ggml.merges"
 
@@ -92,6 +95,7 @@ class GGUFHeader:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._buf = memoryview(self._map)
         self._pos = 0
+        self._kept_left = MAX_KEPT_ENTRIES  # of other keys' array entries (see above)
         self.metadata: dict[str, Any] = {}
         self.tensors: list[TensorInfo] = []
         self._read()
@@ -139,7 +143,7 @@ class GGUFHeader:
             return MAX_VOCAB, True
         if key == MERGES_KEY:
             return MAX_MERGES, True
-        return MAX_KEPT_ARRAY, False
+        return self._kept_left, False
 
     def _value(self, vtype: int, what: str, depth: int = 0, key: str | None = None) -> Any:
         if vtype in _SCALARS:
@@ -160,6 +164,12 @@ class GGUFHeader:
             if count > limit:
                 self._skip_array(etype, count, what, depth)
                 return SkippedArray(etype, count)
+            if not refuse:
+                self._kept_left -= count
+        elif count > self._kept_left:  # nested: cannot be skipped alone, and kvloop reads none
+            raise ValueError(f"{what}: nested arrays hold more than {MAX_KEPT_ENTRIES} entries")
+        else:
+            self._kept_left -= count
         if etype in _NUMPY:  # numbers: one view, converted whole
             dtype = _NUMPY[etype]
             self._need(count * dtype.itemsize, what)
