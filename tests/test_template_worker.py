@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -83,6 +84,36 @@ def test_c_level_work_does_not_hold_this_process() -> None:
     assert longest < 0.5, longest
 
 
+SMALL_MEMORY = 128 * 2**20  # a worker's interpreter and jinja2 take ~26 MiB of it
+
+
+@pytest.fixture
+def small_memory_workers(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Render workers as the server starts them, but under a 128 MiB memory limit: a bomb
+    then reaches the limit after ~25 MB of pages instead of ~500 MB. On a busy machine,
+    faulting in 500 MB took longer than the 1 s time limit (a CI run), so the memory limit
+    went untested; at 128 MiB it is reached well inside the time limit everywhere."""
+    boot = chat_template._BOOT.replace(
+        "_worker_main()", f"_worker_main(max_memory={SMALL_MEMORY})")
+    assert boot != chat_template._BOOT
+    monkeypatch.setattr(chat_template, "_BOOT", boot)
+    monkeypatch.setattr(chat_template, "_pools", {})
+    yield
+    chat_template._pool().close()
+
+
+def test_workers_run_under_the_memory_limit() -> None:
+    pool = chat_template._pool()
+    worker = pool.acquire()
+    try:
+        limits = Path(f"/proc/{worker.proc.pid}/limits").read_text().splitlines()
+    finally:
+        pool.release(worker, reuse=True)
+    (line,) = [x for x in limits if x.startswith("Max address space")]
+    assert line.split()[3:5] == [str(TEMPLATE_MAX_MEMORY)] * 2
+
+
+@pytest.mark.usefixtures("small_memory_workers")
 def test_memory_bomb_is_refused_by_the_memory_limit() -> None:
     tok = tokenizer()
     tok.chat_template = MEMORY_BOMB
@@ -90,10 +121,11 @@ def test_memory_bomb_is_refused_by_the_memory_limit() -> None:
     with pytest.raises(TemplateLimitError) as info:
         tok.apply_chat_template(CHAT)
     assert time.monotonic() - start < KILLED_WITHIN
-    assert f"out of memory (limit {TEMPLATE_MAX_MEMORY // 2**20} MiB)" in str(info.value)
-    assert tokenizer().encode_chat(CHAT) == [7, 4, 3, 8, 7, 5]
+    assert f"out of memory (limit {SMALL_MEMORY // 2**20} MiB)" in str(info.value)
+    assert tokenizer().encode_chat(CHAT) == [7, 4, 3, 8, 7, 5]  # a fresh worker renders
 
 
+@pytest.mark.usefixtures("small_memory_workers")
 def test_hostile_templates_are_refused_at_load() -> None:
     for template, words in ((C_LEVEL, "timed out"), (MEMORY_BOMB, "ran out of memory")):
         with pytest.raises(ModelLoadError, match=f"sample chat it {words}"):

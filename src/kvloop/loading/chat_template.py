@@ -84,6 +84,13 @@ class TemplateLimitError(KvloopError):
         self.what = what  # "timed out (over 1 s)": reads after "the template ..."
 
 
+class _OutOfMemory(TemplateLimitError):
+    """A render hit its worker's address-space limit (MemoryError)."""
+
+    def __init__(self) -> None:
+        super().__init__(f"ran out of memory (limit {_memory_limit // 2**20} MiB)")
+
+
 class TemplateRefusedError(KvloopError):
     """The template refused the conversation on purpose (raise_exception: "roles must
     alternate"): a bad request, not a bad template."""
@@ -106,6 +113,7 @@ class _RenderBudget(threading.local):
 
 
 _budget = _RenderBudget()
+_memory_limit = TEMPLATE_MAX_MEMORY  # this worker's RLIMIT_AS, named in out-of-memory errors
 
 
 def _check_time() -> None:
@@ -440,7 +448,7 @@ def _render(template: jinja2.Template, **context: Any) -> str:
     except RecursionError:
         raise TemplateLimitError("recursed too deep (Python's recursion limit)") from None
     except MemoryError:
-        raise TemplateLimitError(_OUT_OF_MEMORY) from None
+        raise _OutOfMemory from None
     except _TemplateRaised as e:  # it reports a bad conversation ("roles must alternate")
         raise TemplateRefusedError(f"chat template error: {_one_line(e)}") from None
     except jinja2.TemplateError as e:
@@ -490,9 +498,6 @@ def _compile_template(source: str) -> jinja2.Template:
     return template
 
 
-_OUT_OF_MEMORY = f"ran out of memory (limit {TEMPLATE_MAX_MEMORY // 2**20} MiB)"
-
-
 def render_in_process(source: str, context: Mapping[str, Any]) -> str:
     """Compile (cached) and render here, under the in-render limits only: what a worker runs.
     Any failure is one KvloopError line."""
@@ -518,7 +523,7 @@ def _reply(source: str, context: Mapping[str, Any]) -> tuple[int, str]:
     try:
         return _OK, render_in_process(source, context)
     except TemplateLimitError as e:
-        return (_MEMORY if e.what == _OUT_OF_MEMORY else _LIMIT), e.what
+        return (_MEMORY if isinstance(e, _OutOfMemory) else _LIMIT), e.what
     except TemplateCompileError as e:
         return _COMPILE, str(e)
     except TemplateRefusedError as e:
@@ -548,10 +553,13 @@ def _read_exact(fd: int, n: int, deadline: float = math.inf) -> bytes | None:
     return bytes(data)
 
 
-def _worker_main() -> None:
-    """A worker's loop: read a request from stdin, answer on stdout, until stdin closes."""
+def _worker_main(max_memory: int = TEMPLATE_MAX_MEMORY) -> None:
+    """A worker's loop: read a request from stdin, answer on stdout, until stdin closes.
+    `max_memory` is its address-space limit (tests pass a smaller one)."""
+    global _memory_limit
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the server, which ends us
-    resource.setrlimit(resource.RLIMIT_AS, (TEMPLATE_MAX_MEMORY, TEMPLATE_MAX_MEMORY))
+    resource.setrlimit(resource.RLIMIT_AS, (max_memory, max_memory))
+    _memory_limit = max_memory
     sys.stdout = sys.stderr  # fd 1 carries replies only
     _write_frame(1, bytes([_READY]))
     while True:
@@ -565,7 +573,7 @@ def _worker_main() -> None:
             source, context = pickle.loads(request)
             kind, text = _reply(source, context)
         except MemoryError:  # the request itself did not fit: this worker is done
-            kind, text = _MEMORY, _OUT_OF_MEMORY
+            kind, text = _MEMORY, _OutOfMemory().what
         _write_frame(1, bytes([kind]) + text.encode("utf-8", "surrogatepass"))
         if kind == _MEMORY:
             return  # a fresh process rather than one whose heap has been at its limit
