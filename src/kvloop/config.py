@@ -135,6 +135,10 @@ MAX_NUM_SEQS = 65536
 MAX_THREADS_UNKNOWN_CPUS = 1024  # where os.cpu_count() cannot tell
 MAX_CHAT_TEMPLATE_CHARS = 1 << 20  # real templates are a few KB
 MAX_TOKENS_LIMIT = 2**31 - 1  # token counts and positions live in int32/int64 tensors
+# Prompt tokens x top log-probs one request may ask for: the answer holds that many entries
+# (~30 bytes of JSON each). Room for an 8,192-token prompt at top 16, a 4,000-token one at
+# top 20, or 64 lm-evaluation-harness prompts of 2,048 tokens at logprobs 1.
+DEFAULT_MAX_PROMPT_LOGPROBS = 131_072
 # The least context a KV cache must hold (or the model's whole context, if smaller): below it
 # a kv_cache_memory typo (1 instead of 1GiB) would silently run a 16-token model.
 MIN_KV_CACHE_TOKENS = 256
@@ -173,6 +177,9 @@ class EngineConfig:
     prefix_cache_memory: int | str = 64 * 2**20
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # Prompt log-probs: prompt tokens x max(1, top log-probs) one request may ask for
+    # (kvloop.params.check_prompt_logprobs); 0 refuses every scored prompt.
+    max_prompt_logprobs: int = DEFAULT_MAX_PROMPT_LOGPROBS
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # defaults to the model's context
     num_threads: int | None = None
@@ -214,6 +221,7 @@ class EngineConfig:
         _check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
         _check_int("max_num_seqs", self.max_num_seqs, 1, MAX_NUM_SEQS)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, MAX_TOKENS_LIMIT)
+        _check_int("max_prompt_logprobs", self.max_prompt_logprobs, 0, MAX_TOKENS_LIMIT)
         if self.max_model_len is not None:
             # Two positions at least: one prompt token and one generated.
             _check_int("max_model_len", self.max_model_len, 2, MAX_TOKENS_LIMIT)

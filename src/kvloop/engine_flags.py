@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from kvloop.config import MAX_CHAT_TEMPLATE_CHARS, EngineConfig
+from kvloop.config import DEFAULT_MAX_PROMPT_LOGPROBS, MAX_CHAT_TEMPLATE_CHARS, EngineConfig
 from kvloop.errors import InvalidParamsError
 
 
@@ -41,6 +41,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget per step")
+    g.add_argument("--max-prompt-logprobs", type=int, default=DEFAULT_MAX_PROMPT_LOGPROBS,
+                   metavar="N",
+                   help="prompt tokens x top log-probs one request may ask for (echo with "
+                        "logprobs, prompt_logprobs); more is refused (default "
+                        f"{DEFAULT_MAX_PROMPT_LOGPROBS})")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's)")
     g.add_argument("--block-size", type=int, default=16)
@@ -74,6 +79,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "kv_cache_dtype": args.kv_cache_dtype, "prefix_cache_memory": args.prefix_cache_memory,
         "num_threads": args.threads, "quantization": args.quantization,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_prompt_logprobs": args.max_prompt_logprobs,
         "max_model_len": args.max_model_len, "block_size": args.block_size,
         "enable_prefix_caching": not args.no_prefix_caching,
         "speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,

@@ -316,6 +316,27 @@ class SamplingParams:
         return max((len(s) for s in self.stop), default=0)
 
 
+def prompt_logprobs_entries(num_prompt_tokens: int, top: int) -> int:
+    """What scoring a prompt costs the answer: one entry per prompt token per log-prob it
+    carries (its own counts as one when no top alternatives are asked for)."""
+    return num_prompt_tokens * max(top, 1)
+
+
+def check_prompt_logprobs(num_prompt_tokens: int, top: int | None, limit: int) -> None:
+    """InvalidParamsError (param "prompt_logprobs") when prompt tokens x top log-probs is
+    above `limit`: the engine's per-request cap (EngineConfig.max_prompt_logprobs). The
+    answer grows with that product (about 30 bytes of JSON an entry), so it is bounded
+    before anything is queued. `top` None: nothing asked for, nothing to check."""
+    if top is None:
+        return
+    entries = prompt_logprobs_entries(num_prompt_tokens, top)
+    if entries > limit:
+        raise InvalidParamsError(
+            f"prompt_logprobs: {num_prompt_tokens} prompt tokens x {max(top, 1)} log-probs "
+            f"= {entries} entries, above the limit of {limit} (max_prompt_logprobs); ask for "
+            f"fewer top log-probs or send a shorter prompt", param="prompt_logprobs")
+
+
 def _is_iterable(value: object) -> bool:
     try:
         iter(value)  # type: ignore[call-overload]

@@ -42,7 +42,7 @@ from kvloop.models.quantize import (
     use_stored_embedding,
     use_stored_int4,
 )
-from kvloop.params import SamplingParams
+from kvloop.params import SamplingParams, check_prompt_logprobs
 from kvloop.quant import QUANTIZATIONS
 from kvloop.request import Request, RequestStatus
 from kvloop.runner import ModelRunner, PromptLogprob, SampledToken, kv_cache_bytes_per_block
@@ -355,6 +355,7 @@ class LLMEngine:
         if params.prompt_logprobs is not None and not self.config.use_cache:
             raise InvalidParamsError("prompt_logprobs needs the KV cache (use_cache=True)",
                                      param="prompt_logprobs")
+        check_prompt_logprobs(len(ids), params.prompt_logprobs, self.config.max_prompt_logprobs)
         eos = self.eos_token_ids()
         first_id = request_id if params.n == 1 and params.num_beams == 1 else f"{request_id}#0"
         group = _Group(request_id, text, ids, params, [])

@@ -33,7 +33,7 @@ from kvloop.engine.async_engine import (
 )
 from kvloop.engine.outputs import CompletionOutput, RequestOutput
 from kvloop.errors import KvloopError
-from kvloop.params import SamplingParams, StructuredOutput
+from kvloop.params import SamplingParams, StructuredOutput, check_prompt_logprobs
 from kvloop.server.errors import APIError, bad_request, from_kvloop_error
 from kvloop.server.protocol import (
     AssistantMessage,
@@ -132,6 +132,7 @@ class OpenAIServing:
         llm = engine.engine
         self.tokenizer = llm.tokenizer
         self.max_model_len = llm.max_model_len
+        self.max_prompt_logprobs = llm.config.max_prompt_logprobs
         self.vocab_size = llm.model_config.vocab_size
         self.eos = frozenset(llm.eos_token_ids())
         self._token_text: dict[int, str] = {}
@@ -156,6 +157,7 @@ class OpenAIServing:
             prompt_logprobs = max(prompt_logprobs or 0, req.logprobs or 0)
         params = self._params(req, max_tokens, req.logprobs, {"logprobs": "logprobs"},
                               prompt_logprobs)
+        self._check_prompt_logprobs(req, prompts, prompt_logprobs)
         job = _Job(f"cmpl-{uuid.uuid4().hex}", prompts, params, req.n,
                    details=req.return_details)
         job.structured_field = _constraint_field(req)
@@ -297,6 +299,19 @@ class OpenAIServing:
                 f"asked for {len(ids) + max_tokens} ({len(ids)} in the prompt, {max_tokens} "
                 f"for the completion): lower {max_param} or shorten the prompt",
                 max_param, "context_length_exceeded")
+
+    def _check_prompt_logprobs(self, req: CompletionRequest, prompts: list[list[int]],
+                               top: int | None) -> None:
+        """The engine's cap on prompt tokens x top log-probs, over every prompt of the list
+        (each is scored, and all of them are one answer), named as the client asked:
+        `logprobs` with echo, else `prompt_logprobs`."""
+        asked = "prompt_logprobs" if req.prompt_logprobs is not None and (
+            not req.echo or (req.prompt_logprobs >= (req.logprobs or 0))) else "logprobs"
+        try:
+            check_prompt_logprobs(sum(len(ids) for ids in prompts), top,
+                                  self.max_prompt_logprobs)
+        except KvloopError as e:
+            raise from_kvloop_error(e, {"prompt_logprobs": asked}) from e
 
     def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
         if not bias:
