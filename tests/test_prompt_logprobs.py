@@ -3,6 +3,8 @@ transformers' log_softmax over the same weights, and max_tokens=0 scores a promp
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -74,3 +76,18 @@ def test_max_tokens_zero_needs_prompt_logprobs():
         SamplingParams(max_tokens=4, prompt_logprobs=21)
     with pytest.raises(InvalidParamsError, match="beam search"):
         SamplingParams(max_tokens=4, num_beams=2, prompt_logprobs=0)
+
+
+def test_prompt_only_request_ends_on_a_chunk_of_its_last_position(tiny_model_dir, reference):
+    """max_tokens=0 with chunks of 6: PROMPTS[0] (13 tokens) runs 6 + 6 + 1, and the last
+    chunk, only the final position, scores no prompt token and samples nothing; the request
+    must finish there anyway (it once stayed running, its step empty, forever)."""
+    llm = LLM(tiny_model_dir, kv_cache_memory="16MiB", kv_cache_dtype="fp32",
+              max_num_batched_tokens=6)
+    engine = llm.engine
+    engine.scheduler.config = dataclasses.replace(engine.scheduler.config, scored_token_cost=0)
+    engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=0, prompt_logprobs=0))
+    final = [out for _ in range(5) for out in engine.step() if out.finished]
+    assert engine.num_steps == 3 and [o.request_id for o in final] == ["r"]
+    check(final[0], PROMPTS[0], reference[0], 0)
+    assert engine.stats().kv.num_used_blocks == 0

@@ -57,6 +57,13 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    def head_cost_ratio(self) -> float:
+        """The head's multiply-adds for one position as a share of the layers': what
+        scoring a prompt token (its logits over the vocabulary) adds to its prefill."""
+        d, f = self.hidden_size, self.intermediate_size
+        per_layer = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + 3 * d * f
+        return self.vocab_size * d / (self.num_layers * per_layer)
+
     def num_params(self) -> int:
         """Parameters of the transformer (embedding counted once when tied)."""
         d, f, L = self.hidden_size, self.intermediate_size, self.num_layers

@@ -53,7 +53,23 @@ class SampledToken:
 
 # One prompt token's log-prob under the model, and its top alternatives (when asked for).
 PromptLogprob = tuple[float, list[tuple[int, float]] | None]
-PROMPT_LOGPROB_ROWS = 256  # rows of logits ([rows, vocab] floats) computed at a time
+# Rows of logits ([rows, vocab] fp32, 100 MB at 512 rows of a 49k vocabulary) alive at a
+# time while a chunk's prompt tokens are scored; only the small results outlive a block.
+PROMPT_LOGPROB_ROWS = 512
+
+
+@dataclass
+class PromptLogprobChunk:
+    """Log-probs of prompt tokens [start, start + R) of one sequence, from one step's chunk:
+    small tensors (R x k), never the [R, vocabulary] logits they were taken from."""
+
+    start: int  # index in the prompt of the first token scored
+    logprobs: torch.Tensor  # [R] fp32: each prompt token's own log-prob
+    top_ids: torch.Tensor | None  # [R, k] int64: the k likeliest tokens (None when k = 0)
+    top_logprobs: torch.Tensor | None  # [R, k] fp32: their log-probs, best first
+
+    def __len__(self) -> int:
+        return int(self.logprobs.shape[0])
 
 
 @dataclass
@@ -62,9 +78,9 @@ class RunnerOutput:
     # or a sequence's accepted drafts and the token after them).
     sampled: dict[str, list[SampledToken]]
     num_tokens: int  # positions the model processed this step
-    # Sequences that asked for prompt log-probs: (index in the prompt of the first token
-    # scored, the log-probs of this chunk's prompt tokens after its first position).
-    prompt_logprobs: dict[str, tuple[int, list[PromptLogprob]]] = field(default_factory=dict)
+    # Sequences that asked for prompt log-probs: those of the prompt tokens this step's
+    # chunk predicts (each position scores the token after it).
+    prompt_logprobs: dict[str, PromptLogprobChunk] = field(default_factory=dict)
 
     def num_accepted(self) -> dict[str, int]:
         """Accepted draft tokens per sequence that gained more than one token."""
@@ -226,10 +242,10 @@ class ModelRunner:
         return {s.request_id: t for s, t in zip(seqs, tokens, strict=True)}
 
     def _prompt_logprobs(self, seqs: list[ScheduledSeq], hidden: torch.Tensor
-                         ) -> dict[str, tuple[int, list[PromptLogprob]]]:
+                         ) -> dict[str, PromptLogprobChunk]:
         """Log-probs of the prompt tokens that follow each position of a prompt chunk,
         for the sequences that asked for them (row p's logits score prompt token p + 1)."""
-        out: dict[str, tuple[int, list[PromptLogprob]]] = {}
+        out: dict[str, PromptLogprobChunk] = {}
         offset = 0
         for s in seqs:
             n_top = s.params.prompt_logprobs
@@ -237,21 +253,31 @@ class ModelRunner:
             if n_top is not None and s.start_pos < end:
                 targets = torch.tensor(s.prompt_ids[s.start_pos + 1:end + 1])  # [R]
                 rows = hidden[offset:offset + end - s.start_pos]  # [R, hidden]
-                values: list[PromptLogprob] = []
-                for i in range(0, rows.shape[0], PROMPT_LOGPROB_ROWS):
-                    lp = self._logits(rows[i:i + PROMPT_LOGPROB_ROWS]).float().log_softmax(-1)
-                    tgt = targets[i:i + PROMPT_LOGPROB_ROWS]
-                    chosen = lp.gather(1, tgt[:, None])[:, 0].tolist()  # [r]
-                    if n_top:
-                        top_v, top_i = lp.topk(min(n_top, lp.shape[-1]), dim=-1)  # [r, n]
-                        tops = [list(zip(a, b, strict=True))
-                                for a, b in zip(top_i.tolist(), top_v.tolist(), strict=True)]
-                        values.extend(zip(chosen, tops, strict=True))
-                    else:
-                        values.extend((c, None) for c in chosen)
-                out[s.request_id] = (s.start_pos + 1, values)
+                out[s.request_id] = self._score_rows(rows, targets, n_top, s.start_pos + 1)
             offset += s.num_tokens
         return out
+
+    def _score_rows(self, rows: torch.Tensor, targets: torch.Tensor, n_top: int,
+                    start: int) -> PromptLogprobChunk:
+        """Each row's log-prob of its target and its top `n_top`, PROMPT_LOGPROB_ROWS rows
+        of logits at a time. log p = logit - logsumexp(logits): the top-k of the logits is
+        the top-k of the log-probs, so no second [rows, vocab] tensor is made."""
+        chosen: list[torch.Tensor] = []
+        top_ids: list[torch.Tensor] = []
+        top_lps: list[torch.Tensor] = []
+        for i in range(0, rows.shape[0], PROMPT_LOGPROB_ROWS):
+            logits = self._logits(rows[i:i + PROMPT_LOGPROB_ROWS]).float()  # [r, V]
+            lse = logits.logsumexp(dim=-1, keepdim=True)  # [r, 1]
+            tgt = targets[i:i + PROMPT_LOGPROB_ROWS, None]  # [r, 1]
+            chosen.append((logits.gather(1, tgt) - lse)[:, 0])  # [r]
+            if n_top:
+                values, ids = logits.topk(min(n_top, logits.shape[-1]), dim=-1)  # [r, k]
+                top_ids.append(ids)
+                top_lps.append(values - lse)
+            del logits  # [r, V]: freed before the next block's is made
+        return PromptLogprobChunk(start, torch.cat(chosen),
+                                  torch.cat(top_ids) if n_top else None,
+                                  torch.cat(top_lps) if n_top else None)
 
     def _run_model(self, sched: SchedulerOutput) -> tuple[torch.Tensor, int]:
         """The forward over the step's tokens: [T, hidden] and T."""

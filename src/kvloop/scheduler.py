@@ -19,6 +19,7 @@ No tensors here (see batch.py for what the runner receives).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -34,6 +35,10 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     use_cache: bool = True
+    # What a prompt position scored for prompt log-probs costs beyond its forward, in
+    # tokens of the budget (the head over the vocabulary: ModelConfig.head_cost_ratio), so
+    # a scored chunk takes a step no longer than a plain one and other streams keep pace.
+    scored_token_cost: float = 0.0
 
 
 @dataclass
@@ -144,7 +149,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req, budget)
             if n == 0:  # a beam waiting for its siblings' step: nothing to run
                 i += 1
                 continue
@@ -160,7 +165,7 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted itself: the list shrank, i already points past it
             scheduled.append(req)
-            budget -= n + k
+            budget -= self._cost(req, n) + k
             self._add_to_output(out, req, n, k)
             i += 1
 
@@ -173,7 +178,7 @@ class Scheduler:
             if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
                 prefix = self.kv.find_cached_prefix(req)
                 req.num_computed_tokens = len(prefix) * self.kv.block_size
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req, budget)
             if not self.kv.allocate(req, n, prefix, admitting=True):
                 req.num_computed_tokens = 0
                 break
@@ -183,7 +188,7 @@ class Scheduler:
                 req.metrics.num_cached_tokens = req.num_computed_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            budget -= n
+            budget -= self._cost(req, n)
             self._add_to_output(out, req, n)
         out.blocks_to_copy = self.kv.take_copies()
         return out
@@ -242,6 +247,26 @@ class Scheduler:
         child.metrics.num_cached_tokens = parent.metrics.num_cached_tokens
         self.requests[child.request_id] = child
         self.running.append(child)
+
+    def _scored(self, req: Request, n: int) -> int:
+        """Of the next `n` positions, those whose logits score a prompt token."""
+        if req.params.prompt_logprobs is None:
+            return 0
+        start = req.num_computed_tokens
+        return max(0, min(start + n, req.num_prompt_tokens - 1) - start)
+
+    def _cost(self, req: Request, n: int) -> int:
+        """Budget the next `n` positions of `req` spend: one each, and the head's share
+        more for each prompt position scored."""
+        return n + math.ceil(self._scored(req, n) * self.config.scored_token_cost)
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Positions of `req` to run within `budget`: as many as remain and fit (at least
+        one, so a budget smaller than one scored position still progresses)."""
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        if self._scored(req, n) and self.config.scored_token_cost > 0:
+            n = max(1, min(n, math.floor(budget / (1 + self.config.scored_token_cost))))
+        return n
 
     def _num_drafts(self, req: Request, n: int, budget: int) -> int:
         """Draft tokens to run after the `n` scheduled tokens: only behind a decode's last

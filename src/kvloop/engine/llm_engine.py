@@ -25,6 +25,7 @@ from kvloop.config import EngineConfig, ModelConfig, resolve_kv_cache_dtype
 from kvloop.engine.detokenizer import IncrementalDetokenizer
 from kvloop.engine.output_state import SeqOutputState
 from kvloop.engine.outputs import CompletionOutput, RequestOutput
+from kvloop.engine.prompt_logprobs import PromptLogprobs
 from kvloop.engine.structured import GrammarCompiler, LLMatcher
 from kvloop.errors import InvalidParamsError, ModelLoadError, PromptTooLongError
 from kvloop.kv_cache import KVCacheManager, blocks_for_sequence
@@ -45,7 +46,7 @@ from kvloop.models.quantize import (
 from kvloop.params import SamplingParams, check_prompt_logprobs
 from kvloop.quant import QUANTIZATIONS
 from kvloop.request import Request, RequestStatus
-from kvloop.runner import ModelRunner, PromptLogprob, SampledToken, kv_cache_bytes_per_block
+from kvloop.runner import ModelRunner, SampledToken, kv_cache_bytes_per_block
 from kvloop.sampling.beam import BeamSearch
 from kvloop.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from kvloop.spec import DraftRequest, NgramProposer, Proposer
@@ -74,9 +75,8 @@ class _Group:
     beam_results: list[CompletionOutput] | None = None
     num_beam_seqs: int = 0
     error: str | None = None  # set when the request failed
-    # With prompt_logprobs: one entry per prompt token (the first is None), filled as the
-    # prompt's chunks run; handed out once, when complete.
-    prompt_logprobs: list[PromptLogprob | None] | None = None
+    # With prompt_logprobs: filled as the prompt's chunks run; handed out when complete.
+    prompt_logprobs: PromptLogprobs | None = None
     prompt_logprobs_sent: bool = False
 
     @property
@@ -288,7 +288,8 @@ class LLMEngine:
                                  cache_reserve=int(ec.prefix_cache_memory)
                                  // self.kv_bytes_per_block)
         self.scheduler = Scheduler(
-            SchedulerConfig(ec.max_num_seqs, ec.max_num_batched_tokens, ec.use_cache), self.kv)
+            SchedulerConfig(ec.max_num_seqs, ec.max_num_batched_tokens, ec.use_cache,
+                            self.model_config.head_cost_ratio()), self.kv)
 
     def reset(self) -> None:
         """Forget every request and the prefix cache, keeping the model and the KV memory.
@@ -360,7 +361,7 @@ class LLMEngine:
         first_id = request_id if params.n == 1 and params.num_beams == 1 else f"{request_id}#0"
         group = _Group(request_id, text, ids, params, [])
         if params.prompt_logprobs is not None:
-            group.prompt_logprobs = [None] * len(ids)
+            group.prompt_logprobs = PromptLogprobs(len(ids), params.prompt_logprobs)
         if params.num_beams > 1:
             group.beam = BeamSearch(
                 params.num_beams, min(params.max_tokens, self.max_model_len - len(ids)),
@@ -449,11 +450,15 @@ class LLMEngine:
             group = self._seq_to_group.get(rid) or self._groups.get(rid.rpartition("#")[0])
             if group is not None:
                 per_group.setdefault(group.request_id, (group, {}))[1][rid] = tok
-        for rid, (start, values) in result.prompt_logprobs.items():
+        for rid, chunk in result.prompt_logprobs.items():
             group = self._seq_to_group.get(rid)
             if group is not None and group.prompt_logprobs is not None:
-                # A recomputed (preempted) prompt scores the same tokens again: same slots.
-                group.prompt_logprobs[start:start + len(values)] = values
+                group.prompt_logprobs.write(chunk)
+                per_group.setdefault(group.request_id, (group, {}))
+        for s in sched.seqs:
+            # Only scoring the prompt: a last chunk of only the final position scores and
+            # samples nothing, and the request must still finish in this step.
+            if s.params.max_tokens == 0 and (group := self._seq_to_group.get(s.request_id)):
                 per_group.setdefault(group.request_id, (group, {}))
         outputs = []
         for group, sampled in per_group.values():
@@ -771,6 +776,6 @@ class LLMEngine:
         prompt_done = first.num_computed_tokens >= len(group.prompt_token_ids)
         if group.prompt_logprobs is not None and (
                 final or (prompt_done and not group.prompt_logprobs_sent)):
-            out.prompt_logprobs = list(group.prompt_logprobs)
+            out.prompt_logprobs = group.prompt_logprobs.to_list()
             group.prompt_logprobs_sent = True
         return out

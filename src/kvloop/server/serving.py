@@ -170,6 +170,14 @@ class OpenAIServing:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._sse(job, raw, self._completion_chunks(job, include_usage))
         finals = await self._collect(job, raw)
+        if job.params.prompt_logprobs is None:
+            return self._completion_response(req, job, finals)
+        # Up to max_prompt_logprobs entries to translate and write (megabytes of JSON):
+        # off the event loop, so the other streams' tokens keep flowing meanwhile.
+        return await asyncio.to_thread(self._completion_response, req, job, finals)
+
+    def _completion_response(self, req: CompletionRequest, job: _Job,
+                             finals: list[RequestOutput]) -> Response:
         choices = []
         for k, out in enumerate(finals):
             for c in out.outputs:
@@ -500,22 +508,33 @@ class OpenAIServing:
             if job.echo_texts is not None and d.index not in offsets:
                 echo = job.echo_texts[k]  # the choice's first chunk: the prompt comes first
                 offsets[d.index] = len(echo)
-            lp = self._completion_logprobs(d.token_ids, d.output.delta_logprobs,
-                                           d.output.delta_top_logprobs, offsets.get(d.index, 0))
-            lp = self._with_prompt(lp, finals[k], echo, top)
-            if lp is not None and lp.tokens:
-                offsets[d.index] = lp.text_offset[-1] + len(lp.tokens[-1])
-            choice = CompletionChoice(
-                index=d.index, text=(echo or "") + d.text, logprobs=lp,
-                finish_reason=d.output.finish_reason if d.ending else None,
-                stop_reason=d.output.stop_reason if d.ending else None,
-                kvloop=_details(job, d.output, finals[k]) if d.ending else None)
-            yield dump_chunk(CompletionResponse(id=job.request_id, model=self.model_name,
-                                                choices=[choice]))
+            if echo is not None and finals[k].prompt_logprobs is not None:
+                # The scored prompt: a large event, written off the event loop.
+                yield await asyncio.to_thread(self._completion_event, job, d, finals[k],
+                                              echo, offsets, top)
+            else:
+                yield self._completion_event(job, d, finals[k], echo, offsets, top)
         if include_usage:
             yield dump_chunk(CompletionResponse(
                 id=job.request_id, model=self.model_name, choices=[],
                 usage=_usage([finals[k] for k in sorted(finals)])))
+
+    def _completion_event(self, job: _Job, d: _Delta, out: RequestOutput, echo: str | None,
+                          offsets: dict[int, int], top: int | None) -> str:
+        """One SSE event of a streamed completion: choice `d`'s new text (after the prompt,
+        on its first event with echo) and its log-probs; advances its text offset."""
+        lp = self._completion_logprobs(d.token_ids, d.output.delta_logprobs,
+                                       d.output.delta_top_logprobs, offsets.get(d.index, 0))
+        lp = self._with_prompt(lp, out, echo, top)
+        if lp is not None and lp.tokens:
+            offsets[d.index] = lp.text_offset[-1] + len(lp.tokens[-1])
+        choice = CompletionChoice(
+            index=d.index, text=(echo or "") + d.text, logprobs=lp,
+            finish_reason=d.output.finish_reason if d.ending else None,
+            stop_reason=d.output.stop_reason if d.ending else None,
+            kvloop=_details(job, d.output, out) if d.ending else None)
+        return dump_chunk(CompletionResponse(id=job.request_id, model=self.model_name,
+                                             choices=[choice]))
 
     async def _chat_chunks(self, job: _Job, include_usage: bool,
                            plan: ToolPlan) -> AsyncIterator[str]:
