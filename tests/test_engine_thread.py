@@ -16,10 +16,11 @@ import threading
 import pytest
 
 from kvloop.config import EngineConfig
+from kvloop.engine import structured
 from kvloop.engine.async_engine import AsyncEngine
 from kvloop.engine.llm_engine import LLMEngine
-from kvloop.errors import KvloopError
-from kvloop.params import SamplingParams
+from kvloop.errors import InvalidParamsError, KvloopError
+from kvloop.params import SamplingParams, StructuredOutput
 
 
 def test_model_built_and_stepped_on_one_thread(tiny_model_dir) -> None:
@@ -53,6 +54,40 @@ def test_model_built_and_stepped_on_one_thread(tiny_model_dir) -> None:
         aeng.shutdown()
     assert text
     assert threads["step"] == threads["build"]  # every step on the loading thread
+
+
+def test_grammars_compile_off_the_engine_thread(tiny_model_dir, monkeypatch) -> None:
+    """A grammar's compile (~0.5 s for a schema of 5,000 properties, native work without
+    the GIL) runs before its request is queued, on a thread of its own: on the engine
+    thread it would stall every other stream for that long (issue 25's fuzz found 1-5 s
+    stalls so). The engine's own compile then hits the cache."""
+    callers: list[str] = []  # the thread that asked for each new grammar's compile
+    compile_ = structured.on_compile_thread
+
+    def recorded(fn, *args):  # type: ignore[no-untyped-def]
+        callers.append(threading.current_thread().name)
+        return compile_(fn, *args)
+
+    monkeypatch.setattr(structured, "on_compile_thread", recorded)
+    aeng = AsyncEngine.build(
+        lambda: LLMEngine(str(tiny_model_dir), EngineConfig(kv_cache_memory="16MiB")))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    async def generate() -> str:
+        stream = await aeng.add_request("r", "The quick", SamplingParams(
+            temperature=0, max_tokens=8, structured=StructuredOutput(json_schema=schema)))
+        outs = [out async for out in stream]
+        with pytest.raises(InvalidParamsError, match="structured"):  # refused before queueing
+            await aeng.add_request("bad", "x", SamplingParams(
+                structured=StructuredOutput(grammar="start: r0\nr0: r1")))
+        return outs[-1].outputs[0].text
+
+    try:
+        text = asyncio.run(generate())
+    finally:
+        aeng.shutdown()
+    assert text.startswith("{")
+    assert len(callers) == 2 and "kvloop-engine" not in callers, callers
 
 
 def test_build_error_is_raised_in_the_caller(tmp_path) -> None:

@@ -211,6 +211,12 @@ class AsyncEngine:
                           params: SamplingParams, priority: int = 0) -> RequestStream:
         """Queue a request; raises the engine's KvloopError (bad input),
         EngineOverloadedError or EngineDeadError before anything runs."""
+        if params.structured is not None:
+            # Compiled here, off the engine thread: a wide schema takes ~0.5 s of native
+            # work (without the GIL), which on the engine thread would stall every stream.
+            # The engine's own compile then finds it cached; a bad grammar raises here.
+            params.validate()
+            await asyncio.to_thread(self.engine.grammars.prepare, params.structured)
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue[RequestOutput | BaseException | None] = asyncio.Queue()
         ack: asyncio.Future[None] = loop.create_future()

@@ -15,6 +15,7 @@ engine advances as tokens are committed and which computes the masks of its draf
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -132,10 +133,18 @@ class GrammarCompiler:
         # Grammar text -> a matcher at its start (each request gets a copy: ~0.03 ms
         # against ~0.4 ms to compile the text again) or why the text cannot serve.
         self._compiled: OrderedDict[str, llg.LLMatcher | str] = OrderedDict()
+        self._lock = threading.Lock()  # the cache and the tokenizer: prepare() is threaded
 
     def matcher(self, so: StructuredOutput) -> llg.LLMatcher:
         """A fresh matcher for `so`; InvalidParamsError naming the problem if the schema,
         regex or grammar cannot be compiled or matches nothing."""
+        return self.prepare(so).deep_copy()
+
+    def prepare(self, so: StructuredOutput) -> llg.LLMatcher:
+        """`so` compiled (from the cache, or now): a matcher at its start, which callers
+        copy and never advance. Thread-safe, and the native compile drops the GIL, so the
+        async engine calls this before queueing a request, off the engine thread: a wide
+        schema's ~0.5 s then delays that request alone, and `matcher` finds it cached."""
         try:
             text = grammar_text(so)
         except InvalidParamsError:
@@ -146,7 +155,7 @@ class GrammarCompiler:
         compiled = self._compile(text)
         if isinstance(compiled, str):
             raise InvalidParamsError(f"structured output: {compiled}", param="structured")
-        return compiled.deep_copy()
+        return compiled
 
     def fill_masks(self, m: llg.LLMatcher, drafts: Sequence[int] = ()) -> torch.Tensor:
         """The tokens `m` allows next, and after each draft token: [1 + len(drafts),
@@ -192,13 +201,17 @@ class GrammarCompiler:
     def _compile(self, text: str) -> llg.LLMatcher | str:
         """A matcher at the start of grammar `text`, or why the text cannot serve a
         request; remembered by text (the last MAX_CACHED_GRAMMARS)."""
-        if text in self._compiled:
-            self._compiled.move_to_end(text)
-            return self._compiled[text]
+        with self._lock:
+            if text in self._compiled:
+                self._compiled.move_to_end(text)
+                return self._compiled[text]
+        # Outside the lock: two threads compiling one new text both succeed (the same
+        # result); one compiling a slow text must not hold up cache hits.
         result = on_compile_thread(self._compile_new, text, self._ll_tokenizer())
-        self._compiled[text] = result
-        if len(self._compiled) > MAX_CACHED_GRAMMARS:
-            self._compiled.popitem(last=False)
+        with self._lock:
+            self._compiled[text] = result
+            if len(self._compiled) > MAX_CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
         return result
 
     def _compile_new(self, text: str, tokenizer: llg.LLTokenizer) -> llg.LLMatcher | str:
@@ -224,7 +237,8 @@ class GrammarCompiler:
         return m
 
     def _ll_tokenizer(self) -> llg.LLTokenizer:
-        if self._ll is None:
-            self._ll = llg.LLTokenizer(self._tokenizer.backend.to_str(),
-                                       n_vocab=self.vocab_size, eos_token=self._eos)
-        return self._ll
+        with self._lock:
+            if self._ll is None:
+                self._ll = llg.LLTokenizer(self._tokenizer.backend.to_str(),
+                                           n_vocab=self.vocab_size, eos_token=self._eos)
+            return self._ll

@@ -199,7 +199,9 @@ class OpenAIServing:
         self._check_common(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-        plan = plan_tools(req, self.tokenizer.chat_template)
+        # A thread: checking the tools' schemas compiles them (native work, up to ~0.5 s
+        # for a wide one), which must not hold the event loop other streams are sent from.
+        plan = await asyncio.to_thread(plan_tools, req, self.tokenizer.chat_template)
         messages, tools = template_inputs(req.messages, plan)
         try:
             ids = await asyncio.to_thread(self.tokenizer.encode_chat, messages, True, tools)
