@@ -197,9 +197,9 @@ def test_server_cap_covers_the_whole_prompt_list(capped: Target) -> None:
 # --- acceptance: a long scored prompt beside 8 streams, on the default model ----------------
 NUM_STREAMS = 8
 SCORED_TOKENS = 4000
-# A small step budget: the scored prompt advances in short steps, as any long prompt does,
-# and its head's work is charged to the same budget (ModelConfig.head_cost_ratio).
-STEP_BUDGET = "64"
+# The default step budget: beside decoding streams a prompt runs at most
+# max_prefill_tokens_while_decoding (128) positions a step, and the scored positions' head
+# work is charged to that share too (ModelConfig.head_cost_ratio).
 # The KV pool's pages become resident as blocks are first written (runner.py), and blocks
 # are handed out least recently freed first: a pool barely larger than the warm-up touched
 # keeps the KV cache's own growth out of the memory comparison. int8 KV: ~12 KB a token.
@@ -259,8 +259,7 @@ def test_scored_prompt_keeps_other_streams_pace_and_returns_its_memory(
     rng = random.Random(25)
     ids = [rng.randrange(1000, 40000) for _ in range(SCORED_TOKENS)]
     warm = [rng.randrange(1000, 40000) for _ in range(SCORED_TOKENS)]
-    with kvloop_serve(default_gguf, tmp_path, "--max-num-batched-tokens", STEP_BUDGET,
-                      *KV_FLAGS) as server:
+    with kvloop_serve(default_gguf, tmp_path, *KV_FLAGS) as server:
         client = httpx.Client(base_url=server.url, timeout=600)
         # Warm-up: the KV pages of a prompt this long, and the scoring path once.
         r = client.post("/v1/completions", json={"prompt": warm, "max_tokens": 1})

@@ -4,6 +4,7 @@ token appended, and requests that reach max_tokens are finished. Pure Python, no
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterable
 
@@ -129,6 +130,27 @@ def test_chunked_prefill_spans_steps_without_stalling_decodes() -> None:
     assert samples == [False, False, True]
     assert len(a.output_token_ids) == 4 and len(b.output_token_ids) == 1
     assert counts(step(sched)) == {"a": 1, "b": 1}
+
+
+def test_prefill_beside_decodes_is_capped_and_alone_takes_the_budget() -> None:
+    """max_prefill_tokens_while_decoding: a step that decodes a stream runs at most that
+    many prompt positions (one pause between the stream's tokens stays short), over the
+    running and the admitted prompts together; with no stream decoding a prompt gets the
+    whole budget."""
+    sched = make_scheduler(budget=64)
+    sched.config = dataclasses.replace(sched.config, max_prefill_tokens_while_decoding=10)
+    b = make_request("b", 40, max_tokens=20)
+    sched.add_request(b)
+    assert counts(step(sched)) == {"b": 40}  # alone: the whole budget
+    c, d = make_request("c", 16), make_request("d", 30)
+    sched.add_request(c)
+    sched.add_request(d)
+    assert counts(step(sched)) == {"b": 1, "c": 10}
+    assert counts(step(sched)) == {"b": 1, "c": 6, "d": 4}  # c's rest, then d admitted
+    assert counts(step(sched)) == {"b": 1, "c": 1, "d": 10}
+    # The stream's own tokens are never capped: jump-forward's forced text is a decode.
+    b.output_token_ids += [7, 7, 7]
+    assert counts(step(sched)) == {"b": 4, "c": 1, "d": 10}
 
 
 def test_budget_goes_to_running_requests_before_admission() -> None:

@@ -184,6 +184,10 @@ class EngineConfig:
     prefix_cache_memory: int | str = 64 * 2**20
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # Prompt positions a step may run while it also decodes running streams: each such
+    # step is a pause between those streams' tokens (SchedulerConfig). 128 positions of
+    # SmolLM2 take ~0.25 s here; alone, a prompt still gets the whole budget.
+    max_prefill_tokens_while_decoding: int = 128
     # Prompt log-probs: prompt tokens x max(1, top log-probs) one request may ask for
     # (kvloop.params.check_prompt_logprobs); 0 refuses every scored prompt.
     max_prompt_logprobs: int = DEFAULT_MAX_PROMPT_LOGPROBS
@@ -228,6 +232,8 @@ class EngineConfig:
         _check_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE)
         _check_int("max_num_seqs", self.max_num_seqs, 1, MAX_NUM_SEQS)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, MAX_TOKENS_LIMIT)
+        _check_int("max_prefill_tokens_while_decoding",
+                   self.max_prefill_tokens_while_decoding, 1, MAX_TOKENS_LIMIT)
         _check_int("max_prompt_logprobs", self.max_prompt_logprobs, 0, MAX_TOKENS_LIMIT)
         if self.max_model_len is not None:
             # Two positions at least: one prompt token and one generated.

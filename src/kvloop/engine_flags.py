@@ -41,6 +41,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget per step")
+    g.add_argument("--max-prefill-tokens-while-decoding", type=int, default=128, metavar="N",
+                   help="prompt positions a step may run while streams are decoding: the "
+                        "longest pause a long prompt puts between their tokens (default 128)")
     g.add_argument("--max-prompt-logprobs", type=int, default=DEFAULT_MAX_PROMPT_LOGPROBS,
                    metavar="N",
                    help="prompt tokens x top log-probs one request may ask for (echo with "
@@ -80,6 +83,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "num_threads": args.threads, "quantization": args.quantization,
         "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_prompt_logprobs": args.max_prompt_logprobs,
+        "max_prefill_tokens_while_decoding": args.max_prefill_tokens_while_decoding,
         "max_model_len": args.max_model_len, "block_size": args.block_size,
         "enable_prefix_caching": not args.no_prefix_caching,
         "speculative": args.speculative, "num_speculative_tokens": args.num_speculative_tokens,

@@ -2,7 +2,8 @@
 
 A token budget per step (`max_num_batched_tokens`) is spent first on running requests
 (one decode token each, or the next chunk of a prompt being prefilled), then on admitting
-waiting requests, whose prompts may be prefilled in chunks across several steps. When the
+waiting requests, whose prompts may be prefilled in chunks across several steps (shorter
+ones while other requests are decoding: `max_prefill_tokens_while_decoding`). When the
 KV cache runs out of blocks, the lowest-priority, newest running request is preempted: its
 blocks are freed and it goes back to the front of the queue, to be recomputed later (its
 generated tokens are kept, so nothing is lost).
@@ -39,6 +40,11 @@ class SchedulerConfig:
     # tokens of the budget (the head over the vocabulary: ModelConfig.head_cost_ratio), so
     # a scored chunk takes a step no longer than a plain one and other streams keep pace.
     scored_token_cost: float = 0.0
+    # In a step that also decodes running streams, prompt positions (prefill chunks, a
+    # preempted request's recompute) spend at most this much of the budget: such a step
+    # is a pause between those streams' tokens, and a whole budget of prefill (2,048
+    # positions: ~4 s on 2 cores) would be one. None: no cap beyond the budget.
+    max_prefill_tokens_while_decoding: int | None = None
 
 
 @dataclass
@@ -143,13 +149,19 @@ class Scheduler:
         # chosen among the not-yet-scheduled tail is always the lowest priority, newest.
         self.running.sort(key=lambda r: (r.priority, r.metrics.arrival_time))
 
+        # Prefill's share of a step that also carries decodes (see SchedulerConfig).
+        cap = self.config.max_prefill_tokens_while_decoding
+        prefill_room = (budget if cap is None or not any(map(self._is_decode, self.running))
+                        else min(budget, cap))
+
         # 1. Running requests: a decode token, or the next chunk of an unfinished prefill.
         scheduled: list[Request] = []
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._chunk(req, budget)
+            decode = self._is_decode(req)
+            n = self._chunk(req, budget if decode else max(0, min(budget, prefill_room)))
             if n == 0:  # a beam waiting for its siblings' step: nothing to run
                 i += 1
                 continue
@@ -166,11 +178,13 @@ class Scheduler:
                 continue  # preempted itself: the list shrank, i already points past it
             scheduled.append(req)
             budget -= self._cost(req, n) + k
+            if not decode:
+                prefill_room -= self._cost(req, n)
             self._add_to_output(out, req, n, k)
             i += 1
 
         # 2. Waiting requests, in queue order, while budget, seats and blocks allow.
-        while (self.waiting and budget > 0 and not preempted
+        while (self.waiting and min(budget, prefill_room) > 0 and not preempted
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             prefix: list[Block] = []
@@ -178,7 +192,7 @@ class Scheduler:
             if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
                 prefix = self.kv.find_cached_prefix(req)
                 req.num_computed_tokens = len(prefix) * self.kv.block_size
-            n = self._chunk(req, budget)
+            n = self._chunk(req, min(budget, prefill_room))
             if not self.kv.allocate(req, n, prefix, admitting=True):
                 req.num_computed_tokens = 0
                 break
@@ -189,6 +203,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             budget -= self._cost(req, n)
+            prefill_room -= self._cost(req, n)
             self._add_to_output(out, req, n)
         out.blocks_to_copy = self.kv.take_copies()
         return out
@@ -247,6 +262,12 @@ class Scheduler:
         child.metrics.num_cached_tokens = parent.metrics.num_cached_tokens
         self.requests[child.request_id] = child
         self.running.append(child)
+
+    @staticmethod
+    def _is_decode(req: Request) -> bool:
+        """Past its prompt: a stream whose next tokens (its last sampled one, drafts,
+        grammar-forced text) someone is waiting on one by one."""
+        return req.num_computed_tokens >= req.num_prompt_tokens
 
     def _scored(self, req: Request, n: int) -> int:
         """Of the next `n` positions, those whose logits score a prompt token."""

@@ -289,7 +289,8 @@ class LLMEngine:
                                  // self.kv_bytes_per_block)
         self.scheduler = Scheduler(
             SchedulerConfig(ec.max_num_seqs, ec.max_num_batched_tokens, ec.use_cache,
-                            self.model_config.head_cost_ratio()), self.kv)
+                            self.model_config.head_cost_ratio(),
+                            ec.max_prefill_tokens_while_decoding), self.kv)
 
     def reset(self) -> None:
         """Forget every request and the prefix cache, keeping the model and the KV memory.
