@@ -6,7 +6,8 @@ Each tiny random model switches on what its family has, with sliding windows tha
 rope bases (and linear scaling on the global layers), embedding scale, tied and untied
 heads, final logit soft-capping; Mistral's window on every layer (one sliding KV cache
 group); Qwen2's q/k/v biases with use_sliding_window (a full and a sliding group); Phi-3's
-fused tensors with a window; Gemma 2's attention and final logit soft-capping. Greedy
+fused tensors with a window; Gemma 2's attention and final logit soft-capping; Qwen3's
+QK-norm with a window. Greedy
 tokens must equal the modules' (use_kernels=False) and transformers', for each prompt
 alone and for a batch of 16 with chunked prefill and preemption; the native step must be
 what ran (runner.decoder, counted calls). Also the kernel's soft-capping on its own.
@@ -26,13 +27,16 @@ from conftest import (
     write_tiny_gemma2,
     write_tiny_gemma3,
     write_tiny_mistral,
+    write_tiny_model,
     write_tiny_phi3,
     write_tiny_qwen2,
+    write_tiny_qwen3,
 )
 from kvloop import LLM, SamplingParams
 from kvloop.kernels import paged_attention as pa
 from kvloop.models.attention import softcapped_sdpa
 from kvloop.models.native import describe, native_supported
+from kvloop.models.registry import ARCHITECTURES
 from test_kernels import ATOL, RTOL, make_case
 from test_model_parity import compare_greedy, hf_greedy
 
@@ -63,6 +67,12 @@ def qwen2_sliding(path: Path) -> Path:
                             max_window_layers=1)
 
 
+def qwen3_sliding(path: Path) -> Path:
+    """QK-norm (plain w), head_dim 32 unlike hidden / heads; layer 1 slides."""
+    return write_tiny_qwen3(path, use_sliding_window=True, sliding_window=WINDOW,
+                            max_window_layers=1)
+
+
 def phi3_sliding(path: Path) -> Path:
     return write_tiny_phi3(path, sliding_window=WINDOW)
 
@@ -79,6 +89,7 @@ MODELS: dict[str, tuple[Callable[[Path], Path], int]] = {
     "mistral": (write_tiny_mistral, 24 * 8192),
     # One full and one sliding group of one layer each.
     "qwen2-sliding": (qwen2_sliding, 48 * 4096),
+    "qwen3-sliding": (qwen3_sliding, 48 * 8192),
     "phi3-sliding": (phi3_sliding, 24 * 8192),
     # Attention and final soft-capping; 2 full + 2 sliding layers: two groups of two layers.
     "gemma2": (write_tiny_gemma2, 48 * 16384),
@@ -162,6 +173,33 @@ def test_batch_chunked_and_preempted_matches_modules_and_transformers(
                   max_num_batched_tokens=CHUNK, use_kernels=False)
     assert greedy(modules, prompts) == got
     assert_matches_transformers(got, hf, prompts)
+
+
+# Every architecture the registry runs, by a writer of a tiny model of it; GGUF's names
+# for an architecture that config.json names otherwise map to the latter.
+WRITERS: dict[str, Callable[[Path], Path]] = {
+    "llama": write_tiny_model, "mistral": write_tiny_mistral, "qwen2": write_tiny_qwen2,
+    "qwen3": write_tiny_qwen3, "phi3": write_tiny_phi3, "gemma2": write_tiny_gemma2,
+    "gemma3_text": write_tiny_gemma3,
+}
+SAME_AS = {"gemma3": "gemma3_text"}
+
+
+def test_every_registered_family_runs_natively(tmp_path: Path) -> None:
+    """native_supported declines no family the registry runs: a family added to the
+    registry fails here until it is listed above, and declined if its layers have no
+    description (it would run on the modules, slower)."""
+    require_native_kernels()
+    assert set(ARCHITECTURES) == set(WRITERS) | set(SAME_AS)
+    for name, same in SAME_AS.items():
+        assert ARCHITECTURES[name].model_class is ARCHITECTURES[same].model_class
+        assert ARCHITECTURES[name].describe is ARCHITECTURES[same].describe
+    declined = []
+    for name, write in WRITERS.items():
+        llm = LLM(write(tmp_path / name), kv_cache_memory="16MiB")
+        if not native_supported(llm.engine.model) or llm.engine.runner.decoder is None:
+            declined.append(name)
+    assert declined == []
 
 
 @pytest.mark.parametrize("window", [0, 5, 40])

@@ -2,7 +2,8 @@
 
 Queries and keys are RMS-normed over head_dim (a plain RMSNorm, weight w, not Gemma's
 1 + w) per head, before rope; head_dim is explicit in the config (not hidden / heads);
-no q/k/v biases. Qwen3 runs on the modules (the native step is not yet tested on it).
+no q/k/v biases. The native step takes it as Llama's description with the QK-norm weights
+(llama.describe).
 """
 
 from __future__ import annotations
@@ -50,5 +51,5 @@ ARCHITECTURES = (
     Architecture(
         name="qwen3", model_class=Qwen3ForCausalLM, tensor_shapes=qwen3_tensor_shapes,
         gguf_layer_names=GGUF_LAYER_NAMES, gguf_global_names=llama.GGUF_GLOBAL_NAMES,
-        gguf_permute_qk=False, hf_config=_hf_config),
+        gguf_permute_qk=False, hf_config=_hf_config, describe=llama.describe),
 )
