@@ -22,6 +22,7 @@ import pytest
 
 from conftest import write_tiny_model
 from kvloop.cli import main
+from kvloop.server import control
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 CLI_TIMEOUT_S = 180  # a subprocess that takes longer has hung
@@ -118,7 +119,7 @@ def test_usage_errors_name_the_program_once(argv: list[str], hint: str,
     assert "kvloop kvloop" not in err
 
 
-@pytest.mark.parametrize("command", ["generate", "chat", "serve", "roofline"])
+@pytest.mark.parametrize("command", ["generate", "chat", "serve", "roofline", "ps", "stop"])
 def test_usage_line_names_the_program_once(command: str,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
@@ -314,3 +315,47 @@ def test_default_model_chat_prompt_is_the_same_through_the_server(tmp_path: Path
     assert r.keys() == l_.keys()
     assert (r["text"], r["token_ids"]) == (l_["text"], l_["token_ids"])
     assert r["load_seconds"] == 0.0
+
+
+# -- serve --detach, ps, stop ---------------------------------------------------------------------
+def test_detach_ps_and_stop_end_to_end(tmp_path: Path, tiny_model_dir: Path) -> None:
+    r = kvloop(tmp_path, "serve", "--detach", "--model", str(tiny_model_dir), "--port", "0",
+               *TINY)
+    assert r.rc == 0 and "kvloop stop" in r.out, r.err
+    [path] = run_files(tmp_path)
+    info = json.loads(path.read_text())
+    pid = int(info["pid"])
+    try:
+        assert os.getsid(pid) == pid  # a session of its own: the shell's Ctrl-C is not its
+        assert Path(str(info["log"])).is_file() and info["url"] in r.out
+        gen = kvloop(tmp_path, "generate", "The", "--max-tokens", "3", "--json", *TINY)
+        assert gen.rc == 0 and json.loads(gen.out)["load_seconds"] == 0.0, gen.err  # remote
+
+        listed = kvloop(tmp_path, "ps")
+        assert listed.rc == 0, listed.err
+        header, row = listed.out.splitlines()
+        assert header.split() == ["PID", "MODEL", "URL", "UPTIME", "REQUESTS", "OPTIONS"]
+        cells = row.split()
+        assert (cells[0], cells[2], cells[4]) == (str(pid), info["url"], "1")
+        assert cells[5:] == ["kv_cache_memory=32MiB"]  # only what differs from the defaults
+
+        stopped = kvloop(tmp_path, "stop")
+        assert stopped.rc == 0 and f"(pid {pid})" in stopped.out, stopped.err
+        assert control.exited(pid) and run_files(tmp_path) == []
+    finally:
+        if not control.exited(pid):
+            os.kill(pid, signal.SIGKILL)
+    assert kvloop(tmp_path, "ps").out == "no kvloop serve is running\n"
+    again = kvloop(tmp_path, "stop")
+    assert again.rc == 1 and again.err.startswith("kvloop: error: no kvloop serve")
+    assert again.err.count("\n") == 1
+
+
+def test_detach_reports_the_servers_own_error(tmp_path: Path) -> None:
+    """A model that cannot load: the detached server's own error line, its status (2)."""
+    r = kvloop(tmp_path, "serve", "--detach", "--model", str(tmp_path / "missing.gguf"),
+               "--port", "0")
+    assert r.rc == 2 and r.out == "", r.err
+    assert r.err.startswith("kvloop: error: the server exited with status 2") and \
+        "missing.gguf" in r.err and r.err.count("\n") == 1, r.err
+    assert run_files(tmp_path) == []

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 from kvloop.client import Answer, Remote, RemoteError
-from kvloop.engine_flags import add_engine_flags, engine_options
+from kvloop.engine_flags import add_engine_flags, default_engine_options, engine_options
 from kvloop.errors import KvloopError
 from kvloop.params import SamplingParams, StructuredOutput
 from kvloop.server.cli import add_serve_parser, cmd_serve
@@ -113,6 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_flags(roof)
 
     add_serve_parser(sub)
+
+    sub.add_parser("ps", help="list the running `kvloop serve` engines")
+    stop = sub.add_parser("stop", help="stop running `kvloop serve` engines (they drain first)")
+    stop.add_argument("target", nargs="?", default=None, metavar="PID|URL",
+                      help="the one to stop (default: every one `kvloop ps` lists)")
 
     chat = sub.add_parser("chat", help="an interactive conversation")
     chat.add_argument("--system", default=None)
@@ -335,15 +340,9 @@ def _resident(args: argparse.Namespace) -> Remote | None:
         return None
     from kvloop import client
 
-    defaults = _default_engine_options()
+    defaults = default_engine_options()
     asked = {k: v for k, v in engine_options(args).items() if defaults.get(k) != v}
     return client.discover(args.server, args.model, asked)
-
-
-def _default_engine_options() -> dict[str, Any]:
-    p = argparse.ArgumentParser()
-    add_engine_flags(p)
-    return engine_options(p.parse_args([]))
 
 
 def _generate_remote(remote: Remote, args: argparse.Namespace, params: SamplingParams,
@@ -552,14 +551,19 @@ def cmd_roofline(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(raw)
     try:
         if args.command == "generate":
             return cmd_generate(args)
         if args.command == "roofline":
             return cmd_roofline(args)
         if args.command == "serve":
-            return cmd_serve(args)
+            return cmd_serve(args, raw[raw.index("serve") + 1:])
+        if args.command in ("ps", "stop"):
+            from kvloop.server import control
+
+            return control.ps() if args.command == "ps" else control.stop(args.target)
         return cmd_chat(args)
     except KvloopError as e:
         print(f"kvloop: error: {e}", file=sys.stderr)

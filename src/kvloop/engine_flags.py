@@ -97,6 +97,13 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def default_engine_options() -> dict[str, Any]:
+    """engine_options() of a command given no engine flag."""
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    return engine_options(p.parse_args([]))
+
+
 def read_chat_template(path: str) -> str:
     """The text of a --chat-template file; one InvalidParamsError line if it cannot be."""
     try:

@@ -109,7 +109,7 @@ def live() -> list[RunInfo]:
         return []
     found = []
     for path in directory.glob(f"{_PREFIX}*{_SUFFIX}"):
-        info = _read(path)
+        info = read(path)
         if info is None or not pid_alive(info.pid):
             with contextlib.suppress(OSError):
                 path.unlink()
@@ -118,7 +118,8 @@ def live() -> list[RunInfo]:
     return sorted(found, key=lambda i: -i.started)
 
 
-def _read(path: Path) -> RunInfo | None:
+def read(path: Path) -> RunInfo | None:
+    """The run file at `path`, or None if it is missing or unreadable."""
     try:
         data = json.loads(path.read_text())
         return RunInfo(**data)

@@ -67,6 +67,9 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
                    help="open connections; more are refused with 503 (default 1024)")
     g.add_argument("--max-header-bytes", type=_size, default=16 * 1024,
                    help="larger request heads get 431 (default 16KiB)")
+    p.add_argument("--detach", action="store_true",
+                   help="run in the background (output to a log beside the run files) and "
+                        "return once it answers; `kvloop ps` lists it, `kvloop stop` ends it")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_flags(p)
@@ -116,8 +119,16 @@ def resolve_api_key(args: argparse.Namespace) -> str | None:
     return args.api_key or os.environ.get(API_KEY_ENV) or None
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
+    """Serve until SIGTERM/SIGINT; with --detach, start that in the background from
+    `argv` (the serve command's own arguments) and return once it answers."""
     _check(args)
+    if args.detach and not os.environ.get(DETACHED_LOG_ENV):  # never detach twice
+        from kvloop.server import control
+
+        # Any spelling argparse took for --detach ("--det"): the child serves in place.
+        rest = [a for a in argv if not (len(a) > 2 and "--detach".startswith(a))]
+        return control.detach(rest)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kvloop.server")
@@ -182,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_flags(parser)
     args = parser.parse_args(argv)
     try:
-        return cmd_serve(args)
+        return cmd_serve(args, sys.argv[1:] if argv is None else list(argv))
     except KvloopError as e:
         print(f"kvloop: error: {e}", file=sys.stderr)
         return 2
