@@ -90,6 +90,41 @@ def test_grammars_compile_off_the_engine_thread(tiny_model_dir, monkeypatch) -> 
     assert len(callers) == 2 and "kvloop-engine" not in callers, callers
 
 
+def test_a_streamed_request_takes_one_step_per_token_back_to_back(tiny_model_dir) -> None:
+    """The serving loop's mechanism (issue 27): while a request runs, the engine thread
+    steps back to back, one engine step per streamed token, and never waits on its inbox
+    between steps (a wait there, a poll interval or a sleep, is added to every token's
+    time); each step's output reaches the stream."""
+    aeng = AsyncEngine.build(
+        lambda: LLMEngine(str(tiny_model_dir), EngineConfig(kv_cache_memory="16MiB")))
+    eng = aeng.engine
+    drain = aeng._drain
+    waits_while_busy = []  # inbox waits taken while the engine had a request to step
+
+    def recorded(block: bool, timeout: float | None = None):  # type: ignore[no-untyped-def]
+        if block and eng.has_unfinished_requests():
+            waits_while_busy.append((eng.num_steps, timeout))
+        return drain(block, timeout)
+
+    aeng._drain = recorded  # type: ignore[method-assign]
+    new_tokens = 24
+
+    async def stream() -> list[int]:
+        steps_before = eng.num_steps
+        s = await aeng.add_request("r", "The quick", SamplingParams(
+            temperature=0, max_tokens=new_tokens, ignore_eos=True))
+        sizes = [len(out.outputs[0].token_ids) async for out in s]
+        return [eng.num_steps - steps_before, *sizes]
+
+    try:
+        steps, *sizes = asyncio.run(stream())
+    finally:
+        aeng.shutdown()
+    assert steps == new_tokens  # the prefill samples the first token, each decode one more
+    assert sizes[-1] == new_tokens and len(sizes) == new_tokens  # an output per step
+    assert waits_while_busy == []
+
+
 def test_build_error_is_raised_in_the_caller(tmp_path) -> None:
     with pytest.raises(KvloopError):
         AsyncEngine.build(lambda: LLMEngine(str(tmp_path / "missing.gguf"), EngineConfig()))
