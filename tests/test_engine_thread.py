@@ -125,6 +125,42 @@ def test_a_streamed_request_takes_one_step_per_token_back_to_back(tiny_model_dir
     assert waits_while_busy == []
 
 
+def test_a_steps_outputs_cross_to_the_event_loop_in_one_batch(tiny_model_dir,
+                                                               monkeypatch) -> None:
+    """Four streams decoding together: each step wakes the event loop once for all of
+    them (and once per request accepted), not once per stream."""
+    from kvloop.engine import async_engine
+
+    wakeups = [0]
+    call_in_loop = async_engine._call_in_loop
+
+    def counted(loop, fn):  # type: ignore[no-untyped-def]
+        wakeups[0] += 1
+        call_in_loop(loop, fn)
+
+    monkeypatch.setattr(async_engine, "_call_in_loop", counted)
+    aeng = AsyncEngine.build(
+        lambda: LLMEngine(str(tiny_model_dir), EngineConfig(kv_cache_memory="16MiB")))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    async def run() -> list[int]:
+        streams = [await aeng.add_request(f"r{i}", "The quick", params) for i in range(4)]
+
+        async def drain(s) -> int:  # type: ignore[no-untyped-def]
+            return len([out async for out in s])
+
+        return list(await asyncio.gather(*(drain(s) for s in streams)))
+
+    try:
+        steps_before = aeng.engine.num_steps
+        outputs = asyncio.run(run())
+        steps = aeng.engine.num_steps - steps_before
+    finally:
+        aeng.shutdown()
+    assert outputs == [12] * 4
+    assert wakeups[0] <= steps + 4 < sum(outputs), (wakeups, steps)
+
+
 def test_build_error_is_raised_in_the_caller(tmp_path) -> None:
     with pytest.raises(KvloopError):
         AsyncEngine.build(lambda: LLMEngine(str(tmp_path / "missing.gguf"), EngineConfig()))

@@ -87,12 +87,16 @@ class _Stop:
     pass
 
 
+_Item = RequestOutput | BaseException | None  # what a stream's sink carries (None: aborted)
+_Sink = asyncio.Queue[_Item]
+
+
 @dataclass
 class _Stream:
     """The engine thread's record of one live request."""
 
     loop: asyncio.AbstractEventLoop
-    sink: asyncio.Queue[RequestOutput | BaseException | None]
+    sink: _Sink
     last: RequestOutput | None = None
 
     def push(self, item: RequestOutput | BaseException | None) -> None:
@@ -361,6 +365,9 @@ class AsyncEngine:
                 logger.exception("output observer failed")
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their streams: one wake-up of each event loop per step
+        (a batch of puts), not one per stream."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Sink, _Item]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -368,12 +375,15 @@ class AsyncEngine:
             first, stream.last = stream.last is None, out
             if out.finished:
                 del self._streams[out.request_id]
-            stream.push(out if out.error is None else RequestFailedError(out.error))
+            item = out if out.error is None else RequestFailedError(out.error)
+            batches.setdefault(stream.loop, []).append((stream.sink, item))
             if self.observer is not None:
                 try:
                     self.observer.on_output(out, first)
                 except Exception:  # a metrics bug must not take the engine down
                     logger.exception("output observer failed")
+        for loop, items in batches.items():
+            _call_in_loop(loop, functools.partial(_put_all, items))
 
     def _publish(self, adds_done: int = 0) -> None:
         stats = self.engine.stats()
@@ -400,6 +410,11 @@ def _call_in_loop(loop: asyncio.AbstractEventLoop, fn: Callable[[], object]) -> 
     """Schedule `fn` on `loop` from the engine thread; a closed loop has nobody to tell."""
     with contextlib.suppress(RuntimeError):
         loop.call_soon_threadsafe(fn)
+
+
+def _put_all(items: list[tuple[_Sink, _Item]]) -> None:
+    for sink, item in items:
+        sink.put_nowait(item)
 
 
 def _fail_future(fut: asyncio.Future[None], exc: BaseException) -> None:
