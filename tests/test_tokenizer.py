@@ -464,3 +464,34 @@ def test_default_model_loads_through_the_checks():
     ckpt = load_checkpoint()
     assert ckpt.config.max_position_embeddings == 8192
     assert ckpt.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])[:1] == [1]
+
+
+EXPORT_TEXTS = ["Hello, world!", "  leading spaces and\ttabs\n\nnewlines", "Café naïve 你好 🙂",
+                "def f(x):\n    return x ** 2", "<|im_start|>user written markers", ""]
+
+
+@pytest.mark.parametrize("which", ["default", "gemma3"])
+def test_exported_tokenizer_is_the_same_in_transformers(which: str, tmp_path,
+                                                        request: pytest.FixtureRequest) -> None:
+    """`kvloop export-tokenizer` (what lm-evaluation-harness's huggingface tokenizer
+    backend needs for a GGUF model): transformers' AutoTokenizer on the written files
+    encodes, decodes and renders the chat template as kvloop does."""
+    from transformers import AutoTokenizer
+
+    from kvloop.cli import main
+    from kvloop.loading.loader import load_checkpoint
+
+    path = request.getfixturevalue("default_gguf" if which == "default" else "real_gemma_path")
+    out = tmp_path / "tokenizer"
+    assert main(["export-tokenizer", str(out), "--model", str(path)]) == 0
+    ours = load_checkpoint(path).tokenizer
+    hf = AutoTokenizer.from_pretrained(out)
+    for text in EXPORT_TEXTS:
+        ids = ours.encode(text, parse_special=True)
+        assert hf(text)["input_ids"] == ids, text
+        assert hf.decode(ids, skip_special_tokens=True) == ours.decode(ids), text
+    assert (hf.bos_token, hf.eos_token) == (ours.bos_token, ours.eos_token)
+    if ours.chat_template:
+        messages = [{"role": "user", "content": "Hi there"}]
+        assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) \
+            == ours.apply_chat_template(messages)

@@ -114,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
 
+    tok = sub.add_parser("export-tokenizer",
+                         help="write a model's tokenizer as transformers reads one (for "
+                              "lm-evaluation-harness against `kvloop serve`)")
+    tok.add_argument("directory")
+    tok.add_argument("--model", default=None, help="model path (default: the default model)")
+
     sub.add_parser("ps", help="list the running `kvloop serve` engines")
     stop = sub.add_parser("stop", help="stop running `kvloop serve` engines (they drain first)")
     stop.add_argument("target", nargs="?", default=None, metavar="PID|URL",
@@ -501,6 +507,16 @@ def _remote_turn(remote: Remote, params: SamplingParams) -> Turn:
     return turn
 
 
+def cmd_export_tokenizer(args: argparse.Namespace) -> int:
+    from kvloop.loading.loader import load_checkpoint
+
+    checkpoint = load_checkpoint(args.model)  # headers and tokenizer only: no weights read
+    for path in checkpoint.tokenizer.save_pretrained(
+            args.directory, checkpoint.config.max_position_embeddings):
+        print(path)
+    return 0
+
+
 def cmd_roofline(args: argparse.Namespace) -> int:
     from kvloop import roofline as rl
 
@@ -560,6 +576,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_roofline(args)
         if args.command == "serve":
             return cmd_serve(args, raw[raw.index("serve") + 1:])
+        if args.command == "export-tokenizer":
+            return cmd_export_tokenizer(args)
         if args.command in ("ps", "stop"):
             from kvloop.server import control
 

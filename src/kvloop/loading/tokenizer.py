@@ -295,6 +295,34 @@ class Tokenizer:
         """The underlying `tokenizers.Tokenizer` (e.g. to save it as tokenizer.json)."""
         return self._backend
 
+    def save_pretrained(self, directory: str | Path, model_max_length: int | None = None
+                        ) -> list[Path]:
+        """Write this tokenizer as transformers reads one (tokenizer.json with its
+        post-processor's BOS/EOS, tokenizer_config.json with the special tokens and chat
+        template, special_tokens_map.json): what lm-evaluation-harness's
+        `tokenizer_backend=huggingface` needs for a model kvloop read from a GGUF file.
+        Returns the files written."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        specials = {"bos_token": self.bos_token, "eos_token": self.eos_token,
+                    "pad_token": self.id_to_token(self.pad_token_id)
+                    if self.pad_token_id is not None else None,
+                    "unk_token": self.id_to_token(self.unk_token_id)
+                    if self.unk_token_id is not None else None}
+        specials = {k: v for k, v in specials.items() if v is not None}
+        config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", **specials,
+                                  "clean_up_tokenization_spaces": False}
+        if model_max_length is not None:
+            config["model_max_length"] = model_max_length
+        if self.chat_template:
+            config["chat_template"] = self.chat_template
+        files = {"tokenizer.json": self._backend.to_str(),
+                 "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False),
+                 "special_tokens_map.json": json.dumps(specials, indent=2, ensure_ascii=False)}
+        for name, text in files.items():
+            (out / name).write_text(text, encoding="utf-8")
+        return [out / name for name in files]
+
     @property
     def bos_token(self) -> str | None:
         return self.id_to_token(self.bos_token_id) if self.bos_token_id is not None else None
