@@ -11,6 +11,7 @@ the engine appends tokens, detokenizes, checks stop conditions and frees what fi
 from __future__ import annotations
 
 import copy
+import ctypes
 import itertools
 import logging
 import time
@@ -137,6 +138,18 @@ def layout_cache(checkpoint: Checkpoint, quantization: str) -> LayoutCache | Non
     return LayoutCache(checkpoint.path, {"quantization": quantization, "isa": isa})
 
 
+def release_free_heap() -> None:
+    """Hand the C heap's free pages back to the OS (glibc's malloc_trim). Loading frees its
+    transient buffers (blocks decoded into layouts, the tokenizer's construction) to the
+    heap, which glibc keeps resident: ~64 MiB of the default model's load
+    (benchmarks/memory_breakdown.py). A no-op where the C library has no malloc_trim."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
+
+
 def load_model(checkpoint: Checkpoint, pack: bool = True, quantization: str = "none",
                native: bool = False) -> CausalLM:
     """The checkpoint's model with its linear layers in `quantization`'s layout. Each layer
@@ -250,6 +263,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.total_positions = 0
         self.num_steps = 0
+        release_free_heap()
 
     def _make_proposer(self) -> Proposer | None:
         ec = self.config
