@@ -235,8 +235,32 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     raise SystemExit("the server did not come up in 300 s")
 
 
+# --- the offline engine on the same workload ---------------------------------------------------
+@dataclass
+class Offline:
+    output_tok_per_s: float
+    tpot_p50_ms: float
+
+
+def offline(args: argparse.Namespace, prompts: list[list[int]], concurrency: int) -> Offline:
+    """The same prompts through `LLM.generate` in this process (the server stopped), at
+    most `concurrency` sequences at once: what the engine does without the server."""
+    from kvloop import LLM, SamplingParams
+
+    llm = LLM(args.model, kv_cache_memory=args.kv_cache_memory, max_num_seqs=concurrency)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:1], params)  # warm-up, as the served run had
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    tpots = [o.metrics.tpot for o in outs if o.metrics.tpot is not None]
+    return Offline(tokens / wall, 1000 * statistics.median(tpots) if tpots else math.nan)
+
+
 # --- report ------------------------------------------------------------------------------------
-def report(runs: list[RunResult], args: argparse.Namespace, model: str) -> str:
+def report(runs: list[RunResult], args: argparse.Namespace, model: str,
+           offline_runs: dict[int, Offline]) -> str:
     rate = "all at once" if not math.isfinite(args.request_rate) else (
         f"Poisson arrivals at {args.request_rate:g} req/s")
     lines = [
@@ -251,20 +275,27 @@ def report(runs: list[RunResult], args: argparse.Namespace, model: str) -> str:
         f"number in flight), prompts of {args.input_len} tokens +-25 %, {args.output_len} "
         "generated tokens each (EOS ignored, greedy), streamed over HTTP on loopback; client "
         "and server share the machine. TTFT includes queueing; ITL is the gap between "
-        "streamed chunks.",
+        "streamed chunks. Offline: the same prompts through `LLM.generate` in one process "
+        "after the server stopped, at most the same number of sequences at once (its TPOT "
+        "from the engine's own metrics).",
         "",
         "| concurrency | req/s | output tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
-        "| ITL p50 / p99 ms | e2e p50 ms | failed | preemptions |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| ITL p50 / p99 ms | e2e p50 ms | failed | preemptions | offline output tok/s "
+        "| offline TPOT p50 ms | served / offline TPOT |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in runs:
         s = r.summary()
+        off = offline_runs.get(r.concurrency)
+        tail = (f"{off.output_tok_per_s:.1f} | {off.tpot_p50_ms:.1f} | "
+                f"{s['tpot_p50_ms'] / off.tpot_p50_ms:.2f}x" if off else "- | - | -")
         lines.append(
             f"| {r.concurrency} | {s['req_per_s']:.2f} | {s['output_tok_per_s']:.1f} | "
             f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} | "
             f"{s['tpot_p50_ms']:.1f} / {s['tpot_p99_ms']:.1f} | "
             f"{s['itl_p50_ms']:.1f} / {s['itl_p99_ms']:.1f} | {s['e2e_p50_ms']:.0f} | "
-            f"{s['failed']:.0f} | {r.server.get('kvloop_num_preemptions_total', 0):.0f} |")
+            f"{s['failed']:.0f} | {r.server.get('kvloop_num_preemptions_total', 0):.0f} | "
+            f"{tail} |")
     return "\n".join(lines)
 
 
@@ -291,8 +322,8 @@ def main() -> None:
 
     checkpoint = load_checkpoint(args.model)  # for its tokenizer: the weights stay lazy
     tok = checkpoint.tokenizer
-    bodies = [make_body(args, p, tok)
-              for p in make_prompts(tok, args.num_prompts, args.input_len, args.seed)]
+    prompts = make_prompts(tok, args.num_prompts, args.input_len, args.seed)
+    bodies = [make_body(args, p, tok) for p in prompts]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     proc, url = (None, args.url.rstrip("/")) if args.url else start_server(args)
     try:
@@ -317,7 +348,12 @@ def main() -> None:
         if proc is not None:
             proc.terminate()
             proc.wait(30)
-    publish(report(runs, args, served_name), args.write, "bench-serving")
+    offline_runs = {}
+    if proc is not None and args.endpoint == "completions":  # our server, stopped: quiet
+        for c in args.max_concurrency:
+            offline_runs[c] = offline(args, prompts, c)
+            print(f"offline {c:3d}: {offline_runs[c]}", flush=True)
+    publish(report(runs, args, served_name, offline_runs), args.write, "bench-serving")
 
 
 if __name__ == "__main__":
