@@ -37,7 +37,7 @@ def status() -> dict[str, int]:
     return out
 
 
-def worker(mode: str) -> dict[str, float]:
+def worker(mode: str, model: str | None) -> dict[str, float]:
     """One format's breakdown, in this (fresh) process."""
     import torch
 
@@ -49,7 +49,7 @@ def worker(mode: str) -> dict[str, float]:
     if build.available():
         build.native_module()  # the C++ extension is a library too, loaded before the model
     libs = status()
-    llm = LLM(quantization=mode)
+    llm = LLM(model, quantization=mode)
     loaded = status()
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.generate([list(range(100, 612))], params)  # the 512-token prefill
@@ -86,15 +86,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--write", type=Path, default=None)
+    ap.add_argument("--model", default=None, help="model path (default: the default model)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
-        print(json.dumps(worker(args.worker)))
+        print(json.dumps(worker(args.worker, args.model)))
         return
     results = {}
     for mode in args.modes:
-        out = subprocess.run([sys.executable, __file__, "--worker", mode], check=True,
-                             capture_output=True, text=True).stdout
+        model = ["--model", args.model] if args.model else []
+        out = subprocess.run([sys.executable, __file__, "--worker", mode, *model],
+                             check=True, capture_output=True, text=True).stdout
         results[mode] = json.loads(out.strip().splitlines()[-1])
         print(MODES[mode], results[mode], file=sys.stderr)
 
@@ -112,7 +114,8 @@ def main() -> None:
     body = "\n".join([
         "## Where the memory goes (memory_breakdown.py)",
         "",
-        f"`python benchmarks/memory_breakdown.py` on {machine_line()}. Default model, "
+        f"`python benchmarks/memory_breakdown.py{f' --model {args.model}' if args.model else ''}`"
+        f" on {machine_line()}. Model: {Path(args.model).name if args.model else 'the default'}; "
         "MiB of resident memory, each format in a fresh process: after importing torch, "
         "kvloop's engine and its native kernels; the model's tensors (distinct storages; in "
         "brackets, how much of the load's growth was file-backed, i.e. mapped from the "
@@ -124,7 +127,8 @@ def main() -> None:
         *rows,
         "",
     ])
-    publish(body, args.write, "memory-breakdown")
+    publish(body, args.write, "memory-breakdown" if args.model is None else
+            f"memory-breakdown-{Path(args.model).stem}")
 
 
 if __name__ == "__main__":

@@ -379,3 +379,27 @@ def test_stored_layers_are_built_before_loading_and_never_dequantized(
         got = model.compute_logits(model(ids, torch.arange(len(ids)), meta))
         want = ref.compute_logits(ref(ids, torch.arange(len(ids)), meta))
     assert torch.equal(got, want)
+
+
+def test_stored_blocks_decode_each_tensor_once_and_codes_are_int8(
+        default_gguf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading as stored decodes every block tensor once: asking whether a name is there
+    decodes nothing (Mapping's own `in` looked the item up, and the load decoded every
+    layer twice); codes are int8, half of int16's memory for the largest table."""
+    import kvloop.loading.gguf as gguf_module
+
+    decoded: list[tuple[int, int]] = []
+
+    def counted(raw: Any, kind: Any, rows: int, cols: int) -> GroupWeights:
+        decoded.append((rows, cols))
+        return decode(raw, kind, rows, cols)
+
+    monkeypatch.setattr(gguf_module, "decode", counted)
+    checkpoint = load_checkpoint(default_gguf)
+    blocks = checkpoint.block_weights()
+    assert "model.embed_tokens.weight" in blocks and "nope" not in blocks and decoded == []
+    w = blocks["model.embed_tokens.weight"]
+    assert w.codes.dtype == torch.int8 and len(decoded) == 1
+    decoded.clear()
+    load_model(checkpoint, quantization="gguf")
+    assert len(decoded) == len(blocks)  # each stored tensor once (the tied table included)

@@ -334,6 +334,12 @@ class _Lazy(Mapping[str, _W]):
     def __getitem__(self, name: str) -> _W:
         return self._read(name, self._tensors[name])
 
+    def __contains__(self, name: object) -> bool:
+        # Mapping's own `in` looks the item up: here that decodes the whole tensor, which
+        # `name in blocks` checks did for every layer (twice the load's decoding, and a
+        # transient copy of Gemma 3's 262k-row table).
+        return name in self._tensors
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._tensors)
 

@@ -94,7 +94,7 @@ class GroupWeights:
     """[N, K] weights as integer codes with an fp32 scale (and optionally a min) per group
     of `group` along K: w = scale * code + min, each product exact in fp32."""
 
-    codes: torch.Tensor  # [N, K] int16 (4-bit codes in [0, 15], else in [-128, 127])
+    codes: torch.Tensor  # [N, K] int8 (4-bit codes in [0, 15], else in [-128, 127])
     scales: torch.Tensor  # [N, K / group] fp32
     mins: torch.Tensor | None  # [N, K / group] fp32, or None (w = scale * code)
     group: int  # 16 or 32
