@@ -250,17 +250,15 @@ def test_cli_flag_defaults_to_auto() -> None:
         p.parse_args(["--quantization", "q4_k"])
 
 
-def test_batched_bf16_copy_of_a_block_layer() -> None:
-    """The prefill path (set_batched): the exactly dequantized weights in bf16 through
-    oneDNN, as for the other quantized kinds."""
+def test_batched_path_of_a_block_layer() -> None:
+    """The prefill path (set_batched_decode): the exactly dequantized weights, a chunk of
+    rows at a time in bf16, through ATen's GEMM, as for the other quantized kinds."""
     require_native_kernels()
-    from kvloop.kernels.linear import packed_bf16
-
     for kind in (T.Q4_K, T.Q6_K, T.Q5_0):
         lin = BlockLinear(decode(random_blocks(kind, 48, 512, 4, 0.01), kind, 48, 512))
         k, w, K, sc, _ = lin.native_spec()
         nl = native_linear(k, w, K, sc)
-        nl.set_batched(packed_bf16(lin.dequantize()), 16)
+        nl.set_batched_decode(16)
         x = torch.randn(20, K)
         ref = linear_reference(x, k, w, K, sc, bf16=True)
         torch.testing.assert_close(nl.forward(x), ref, rtol=0,

@@ -28,7 +28,7 @@ from safetensors.torch import load_file, save_file
 from conftest import require_native_kernels, write_tiny_model
 from kvloop import LLM, SamplingParams
 from kvloop.batch import SchedulerOutput
-from kvloop.dispatch import BF16_MIN_ROWS, bf16_gemm_fast
+from kvloop.dispatch import BF16_MIN_ROWS
 from kvloop.engine.outputs import RequestOutput
 from kvloop.kernels.linear import (
     F32,
@@ -38,7 +38,6 @@ from kvloop.kernels.linear import (
     linear_reference,
     native_linear,
     pack_q4,
-    packed_bf16,
     quantize_acts,
     quantize_acts_reference,
     unpack_q4,
@@ -253,45 +252,6 @@ def test_int8_weights_with_fp32_activations(N: int, K: int) -> None:
         native_linear(F32, torch.randn(N, K), K, float_acts=True)
 
 
-@pytest.mark.parametrize(("N", "K"), [(100, 576), (8, 1536)])
-@pytest.mark.parametrize("kind", [Q8, Q4], ids=["q8", "q4"])
-def test_bf16_batched_path(kind: int, N: int, K: int) -> None:
-    # A quantized layer given bf16 weights runs batches of >= BF16_MIN_ROWS rows through
-    # oneDNN's bf16 GEMM (in chunks of 128 rows: 129 and 300 cross them) and smaller ones
-    # through the int8 kernels, unchanged.
-    if not bf16_gemm_fast():
-        pytest.skip("no AVX512-BF16: the bf16 path is not used on this CPU")
-    g = _gen(N + K + kind)
-    w, scales = make_weight(kind, N, K, g)
-    for bias in (None, torch.randn(N, generator=g)):
-        lin = native_linear(kind, w, K, scales, bias)
-        lin.set_batched(packed_bf16(dequantize(kind, w, K, scales).float()), BF16_MIN_ROWS)
-        assert lin.batched_min_rows == BF16_MIN_ROWS
-        small = BF16_MIN_ROWS - 1
-        x = torch.randn(small, K, generator=g)
-        assert_linear_close(lin.forward(x), linear_reference(x, kind, w, K, scales, bias),
-                            f"M={small}")
-        for M in (BF16_MIN_ROWS, 129, 300):
-            x = torch.randn(M, K, generator=g)
-            y = lin.forward(x)
-            ref = linear_reference(x, kind, w, K, scales, bias, bf16=True)
-            # The kernel's fp32 sums and the reference's float64 ones may round to
-            # neighbouring bf16 values: one bf16 step apart (2^-8 of the value), or, where
-            # the terms cancel, one step of the largest output.
-            torch.testing.assert_close(y, ref, rtol=2**-7, atol=2**-8 * float(ref.abs().max()))
-            int8_path = linear_reference(x, kind, w, K, scales, bias)
-            assert (y - int8_path).abs().max() > LINEAR_RTOL * float(ref.abs().max())
-    lin = native_linear(kind, w, K, scales)
-    with pytest.raises(RuntimeError, match="prepacked"):
-        lin.set_batched(dequantize(kind, w, K, scales).to(torch.bfloat16), 16)  # not packed
-    with pytest.raises(RuntimeError, match="prepacked"):
-        lin.set_batched(packed_bf16(torch.randn(N + 1, K)), 16)  # wrong shape
-    with pytest.raises(RuntimeError, match="prepacked"):  # fp32 weights take fp32 ones
-        native_linear(F32, torch.randn(N, K), K).set_batched(packed_bf16(torch.randn(N, K)), 16)
-    with pytest.raises(RuntimeError, match="min_rows"):
-        lin.set_batched(packed_bf16(dequantize(kind, w, K, scales).float()), 0)
-
-
 def _layouts(N: int, K: int, g: torch.Generator) -> dict[str, tuple]:
     """(kind, weight, scales) of every kernel layout: Q4F and the Q8B variants from
     GroupWeights (scales that fp16 cannot hold force fp32 ones)."""
@@ -323,8 +283,8 @@ def _layouts(N: int, K: int, g: torch.Generator) -> dict[str, tuple]:
 def test_batched_decode_path(layout: str) -> None:
     # set_batched_decode: no second copy of the weights. Batches of >= min_rows rows decode
     # the weights a chunk of rows at a time (N = 2000 at K = 576 crosses a 2 MiB chunk of
-    # bf16 rows) and run ATen's GEMM: bf16 for quantized kinds (the values a prepacked bf16
-    # copy holds), fp32 for fp32; smaller batches run the kernels as before.
+    # bf16 rows) and run ATen's GEMM: bf16 for quantized kinds (the weights rounded to bf16),
+    # fp32 for fp32; smaller batches run the kernels as before.
     N, K = 2000, 576
     g = _gen(N + len(layout))
     kind, w, sc = _layouts(N, K, g)[layout]

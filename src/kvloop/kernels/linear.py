@@ -30,7 +30,7 @@ from kvloop.quant.layout import (
 )
 
 __all__ = ["F32", "Q4", "Q4F", "Q8", "Q8B", "dequantize", "linear_reference", "native_linear",
-           "pack_q4", "pack_q4f", "packed_bf16", "quantize_acts", "quantize_acts_reference",
+           "pack_q4", "pack_q4f", "quantize_acts", "quantize_acts_reference",
            "unpack_q4"]
 
 def quantize_acts_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +56,8 @@ def linear_reference(x: torch.Tensor, kind: int, weight: torch.Tensor, in_featur
                      scales: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                      float_acts: bool = False, bf16: bool = False) -> torch.Tensor:
     """What the kernel computes, in float64 sums: [M, K] -> [M, N]. bf16: the batched path
-    of a quantized layer (``set_batched``): x and w rounded to bf16, the sum to bf16."""
+    of a quantized layer (``set_batched_decode``): x and w rounded to bf16, the sum to
+    bf16."""
     if bf16:
         w = dequantize(kind, weight, in_features, scales).to(torch.bfloat16).double()
         y = (x.to(torch.bfloat16).double() @ w.T).to(torch.bfloat16).double()
@@ -81,12 +82,6 @@ def native_linear(kind: int, weight: torch.Tensor, in_features: int,
     """A kernel-side linear layer (holds references to the tensors, no copies).
     float_acts (int8 weights only: Q8, Q8B): fp32 activations instead of int8-rounded ones."""
     return _ext().QLinear(kind, weight, in_features, scales, bias, float_acts)
-
-
-def packed_bf16(weight: torch.Tensor) -> torch.Tensor:
-    """fp32 [N, K] weights rounded to bf16 and prepacked for oneDNN: what a quantized
-    layer's ``set_batched`` takes."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16), None)
 
 
 def quantize_acts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -54,7 +54,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("scales") = py::none(), py::arg("bias") = py::none(),
            py::arg("float_acts") = false)
       .def_readonly("float_acts", &QLinear::float_acts)
-      .def("set_batched", &QLinear::set_batched, py::arg("weight"), py::arg("min_rows"))
       .def("set_batched_decode", &QLinear::set_batched_decode, py::arg("min_rows"),
            py::arg("bf16") = true)
       .def_readonly("batched_decode", &QLinear::batched_decode)

@@ -78,7 +78,7 @@ struct QuantizedActs {
   std::vector<float> s;   // [M, K / 32]  d * sum(q) of the block
   std::vector<float> ssum;  // [M]        sum of the row's s (int8 weights, VNNI path)
   std::vector<int8_t> qp;   // [M, K]     q with groups in pairs, for 4-bit weights (pair_acts)
-  at::Tensor xb;  // bf16 input of the batched path (QLinear::set_batched)
+  at::Tensor xb;  // bf16 input of the batched path (QLinear::set_batched_decode)
   at::Tensor wb;  // a chunk of weight rows decoded for the batched path (set_batched_decode)
 };
 
@@ -108,23 +108,16 @@ struct QLinear {
   // Q8B: the group of its scales (16 or 32), whether it has mins, whether they are fp32.
   int64_t group = 32;
   bool has_min = false, f32_scales = true;
-  // Optional oneDNN-prepacked [N, K] copy of the weights for batches of at least
-  // batched_min_rows rows (prefill, large decode batches: compute-bound GEMMs). For
-  // quantized kinds it is bf16 (w as the layout decodes it, rounded): oneDNN's bf16 GEMM
-  // (AVX512-BF16 dot products, fp32 sums) runs at ~2.3x this CPU's fp32 rate, where the
-  // int8 kernels, which must scale every 32-wide block, run at ~1.2x; below that size the
-  // int8 kernels read 2-4x fewer bytes and win. For fp32 it is the same fp32 weights in
-  // oneDNN's blocked layout (what the PyTorch modules run).
-  at::Tensor batched;
+  // Batches of batched_min_rows rows or more (prefill, large decode batches: compute-bound
+  // GEMMs; set_batched_decode) decode the weights, a chunk of rows at a time, into a
+  // scratch (bf16 for the quantized kinds: oneDNN's bf16 GEMM, AVX512-BF16 dot products
+  // with fp32 sums, runs at ~2.3x this CPU's fp32 rate where the int8 kernels, which must
+  // scale every 32-wide block, run at ~1.2x; or fp32 where bf16 GEMMs are slow; fp32
+  // stays fp32) and run ATen's GEMM (oneDNN / MKL) on it, holding no second copy of the
+  // weights. Below that size the int8 kernels read 2-4x fewer bytes and win.
   int64_t batched_min_rows = 0;
-  // Or, holding no second copy (set_batched_decode): batches of batched_min_rows rows or
-  // more decode the weights, a chunk of rows at a time, into a scratch (bf16 for the
-  // quantized kinds: the same values `batched` would hold, or fp32 where bf16 GEMMs are
-  // slow; fp32 stays fp32) and run ATen's GEMM (oneDNN / MKL) on it. Measured ~5% slower than the prepacked copy at 512-row
-  // prefill here, for a layer's whole weight less memory.
   bool batched_decode = false;
   bool batched_bf16 = true;  // quantized kinds: decode to bf16 (false: fp32, sgemm)
-  static constexpr int64_t kBatchedChunkRows = 128;
   static constexpr int64_t kDecodeChunkBytes = 1 << 21;  // weight rows decoded at a time
 
   QLinear(int64_t kind, at::Tensor weight, int64_t in_features,
@@ -141,7 +134,6 @@ struct QLinear {
   void apply(const float* x, int64_t M, QuantizedActs& acts, float* y) const;
   at::Tensor forward(const at::Tensor& x) const;  // [M, K] -> [M, N], for Python and tests
   int64_t weight_bytes() const;
-  void set_batched(const at::Tensor& w, int64_t min_rows);  // see `batched`
   void set_batched_decode(int64_t min_rows, bool bf16 = true);  // see `batched_decode`
   // Rows n0..n1 of the weights as the kernels decode them (w = scale * code + min, fp32),
   // rounded to bf16 (round to nearest even, as torch's .to(bfloat16)) unless fp32 out.
@@ -151,7 +143,6 @@ struct QLinear {
   at::Tensor decoded(bool bf16) const;  // [N, K], for Python and tests
 
  private:
-  void run_batched(const float* x, int64_t M, QuantizedActs& scratch, float* y) const;
   void run_batched_decode(const float* x, int64_t M, QuantizedActs& scratch, float* y) const;
 };
 

@@ -704,23 +704,8 @@ at::Tensor QLinear::forward(const at::Tensor& x_) const {
   return y;
 }
 
-void QLinear::set_batched(const at::Tensor& w, int64_t min_rows) {
-  const auto want = kind == WeightKind::F32 ? at::kFloat : at::kBFloat16;
-  TORCH_CHECK(w.scalar_type() == want && w.dim() == 2 && w.size(0) == out_features &&
-                  w.size(1) == in_features && w.is_mkldnn(),
-              "the batched weight must be a [", out_features, ", ", in_features, "] ",
-              c10::toString(want),
-              " tensor prepacked by torch.ops.mkldnn._reorder_linear_weight (bf16 for "
-              "quantized weights, fp32 for fp32 ones)");
-  TORCH_CHECK(min_rows >= 1, "min_rows must be >= 1");
-  batched = w;
-  batched_decode = false;
-  batched_min_rows = min_rows;
-}
-
 void QLinear::set_batched_decode(int64_t min_rows, bool bf16) {
   TORCH_CHECK(min_rows >= 1, "min_rows must be >= 1");
-  batched = at::Tensor();
   batched_decode = true;
   batched_bf16 = bf16;
   batched_min_rows = min_rows;
@@ -830,46 +815,14 @@ at::Tensor& grow(at::Tensor& buf, int64_t n, at::ScalarType dtype) {
   return buf;
 }
 
-// oneDNN's linear over a prepacked weight (the op behind torch.ops.mkldnn._linear_pointwise).
-at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed) {
-  static const auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                            const std::optional<at::Tensor>&, c10::string_view,
-                            c10::List<std::optional<at::Scalar>>,
-                            std::optional<c10::string_view>)>();
-  return op.call(x, packed, std::nullopt, "none", c10::List<std::optional<at::Scalar>>(),
-                 std::nullopt);
-}
 }  // namespace
-
-void QLinear::run_batched(const float* x, int64_t M, QuantizedActs& scratch, float* y) const {
-  const int64_t N = out_features, K = in_features;
-  const auto f32 = at::TensorOptions().dtype(at::kFloat);
-  // Row chunks: oneDNN's prepacked bf16 GEMM measured fastest at ~128 rows a call here
-  // (~420 GFLOP/s; at 512 rows ~230).
-  for (int64_t m0 = 0; m0 < M; m0 += kBatchedChunkRows) {
-    const int64_t rows = std::min(kBatchedChunkRows, M - m0);
-    at::Tensor xin = at::from_blob(const_cast<float*>(x + m0 * K), {rows, K}, f32);
-    if (batched.scalar_type() == at::kBFloat16) {
-      auto xb = grow(scratch.xb, rows * K, at::kBFloat16).narrow(0, 0, rows * K);
-      xin = xb.view({rows, K}).copy_(xin);
-    }
-    // [rows, N] in the weights' dtype (fp32 sums inside), widened exactly into y; the
-    // bias is added in fp32.
-    auto out = at::from_blob(y + m0 * N, {rows, N}, f32);
-    out.copy_(onednn_linear(xin, batched));
-    if (bias.has_value()) out.add_(*bias);
-  }
-}
 
 void QLinear::run_batched_decode(const float* x, int64_t M, QuantizedActs& scratch,
                                  float* y) const {
   const int64_t N = out_features, K = in_features;
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   // fp32 weights stay fp32 (the reference arithmetic, MKL/oneDNN sgemm on the weight
-  // itself); quantized ones meet bf16 activations, as with a prepacked bf16 copy.
+  // itself); quantized ones meet bf16 activations.
   const bool bf16 = kind != WeightKind::F32 && batched_bf16;
   at::Tensor xin = at::from_blob(const_cast<float*>(x), {M, K}, f32);
   if (bf16) {
@@ -902,8 +855,6 @@ void QLinear::run_batched_decode(const float* x, int64_t M, QuantizedActs& scrat
 void QLinear::apply(const float* x, int64_t M, QuantizedActs& acts, float* y) const {
   if (batched_decode && M >= batched_min_rows) {
     run_batched_decode(x, M, acts, y);
-  } else if (batched.defined() && M >= batched_min_rows) {
-    run_batched(x, M, acts, y);
   } else if (quantized()) {
     quantize_acts(x, M, in_features, acts);
     if (paired()) pair_acts(acts);
