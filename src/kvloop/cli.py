@@ -15,15 +15,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from kvloop.client import Answer, Remote, RemoteError
+from kvloop import runfile
 from kvloop.engine_flags import add_engine_flags, default_engine_options, engine_options
-from kvloop.errors import KvloopError
+from kvloop.errors import KvloopError, RemoteError
 from kvloop.params import SamplingParams, StructuredOutput
 from kvloop.server.cli import add_serve_parser, cmd_serve
+
+if TYPE_CHECKING:  # kvloop.client imports httpx (~80 ms): only the remote path loads it
+    from kvloop.client import Remote
 
 EXIT_USAGE = 2
 EXIT_REMOTE = 1  # the resident engine failed to answer
@@ -344,6 +348,8 @@ def _resident(args: argparse.Namespace) -> Remote | None:
     before anything heavy is imported, so a remote command never loads torch."""
     if args.local:
         return None
+    if not (args.server or os.environ.get("KVLOOP_SERVER") or runfile.live()):
+        return None  # nothing to reach: kvloop.client (httpx) stays unimported
     from kvloop import client
 
     defaults = default_engine_options()
@@ -374,7 +380,7 @@ def _generate_remote(remote: Remote, args: argparse.Namespace, params: SamplingP
     answer, written = None, False
     try:
         for piece in client.stream_text(remote, body, chat=args.chat):
-            if isinstance(piece, Answer):
+            if isinstance(piece, client.Answer):
                 answer = piece
             elif not args.json:
                 sys.stdout.write(piece)
@@ -502,7 +508,7 @@ def _remote_turn(remote: Remote, params: SamplingParams) -> Turn:
 
     def turn(history: list[dict[str, str]]) -> Iterator[str | dict[str, Any]]:
         for piece in client.stream_text(remote, {**body, "messages": history}, chat=True):
-            yield piece.metrics if isinstance(piece, Answer) else piece
+            yield piece.metrics if isinstance(piece, client.Answer) else piece
 
     return turn
 

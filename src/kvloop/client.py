@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from kvloop import runfile
-from kvloop.errors import KvloopError
+from kvloop.errors import KvloopError, RemoteError
 from kvloop.params import SamplingParams
 from kvloop.runfile import RunInfo, comparable_options, model_identity
 
@@ -37,10 +37,6 @@ _MAX_PROMPTS = 64  # per /v1/completions list: the server's default cap
 # Engine options whose flag is not the option's name.
 _FLAGS = {"use_cache": "--no-cache", "num_threads": "--threads",
           "enable_prefix_caching": "--no-prefix-caching", "jump_forward": "--no-jump-forward"}
-
-
-class RemoteError(Exception):
-    """The resident engine could not answer (gone, refused the key, failed): exit 1."""
 
 
 @dataclass(frozen=True)

@@ -23,3 +23,8 @@ class InvalidParamsError(KvloopError):
 class PromptTooLongError(KvloopError):
     """The prompt does not fit the model's context (or, where asked, prompt + max_tokens
     does not), or could never fit the KV cache."""
+
+
+class RemoteError(Exception):
+    """The resident engine could not answer (gone, refused the key, failed): exit 1. Here
+    rather than in kvloop.client, so that the one-shot CLI need not import httpx."""
