@@ -495,3 +495,21 @@ def test_exported_tokenizer_is_the_same_in_transformers(which: str, tmp_path,
         messages = [{"role": "user", "content": "Hi there"}]
         assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) \
             == ours.apply_chat_template(messages)
+
+
+def test_derived_merges_rank_by_score_then_longer_parts_then_vocabulary_order() -> None:
+    """SentencePiece files without merges: each token's splits into two vocabulary tokens,
+    best score first, then the longer left part, then the longer right part (across
+    tokens of equal score), ties in vocabulary order (a hand-worked case; control and
+    one-character tokens give none)."""
+    from kvloop.loading.tokenizer import _derive_merges
+
+    tokens = ["a", "b", "c", "ab", "bc", "abc", "ca", "<s>", "cab"]
+    types = [1, 1, 1, 1, 1, 1, 1, 3, 1]
+    scores = [0.0, 0.0, 0.0, -1.0, -1.0, -0.5, -1.0, 0.0, -0.5]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    assert _derive_merges(tokens, types, scores, vocab) == [
+        ("ab", "c"), ("ca", "b"),  # score -0.5, left part of 2: abc, then cab
+        ("a", "bc"), ("c", "ab"),  # score -0.5, left part of 1
+        ("a", "b"), ("b", "c"), ("c", "a"),  # ab, bc, ca (-1.0), in vocabulary order
+    ]

@@ -24,6 +24,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -621,16 +622,28 @@ def _bpe(**kwargs: Any) -> models.BPE:
 def _derive_merges(
     tokens: Sequence[str], types: Sequence[int], scores: Sequence[float], vocab: Mapping[str, int]
 ) -> list[tuple[str, str]]:
-    ranked: list[tuple[float, int, int, str, str]] = []
+    """Every (left, right) split of each normal token into two vocabulary tokens, best
+    first: by the token's score, then the longer left part, then the longer right part,
+    ties in vocabulary order. One stable lexsort over arrays, not a sort of tuples: Gemma
+    3's 262k tokens give 515k merges (1.0 s and 169 MiB as tuples)."""
+    pairs: list[tuple[str, str]] = []
+    key_score: list[float] = []
+    key_left: list[int] = []
+    key_right: list[int] = []
     for tok, kind, score in zip(tokens, types, scores, strict=False):
         if kind not in (_NORMAL, _USER_DEFINED) or len(tok) < 2:
             continue
         for cut in range(1, len(tok)):
             left, right = tok[:cut], tok[cut:]
             if left in vocab and right in vocab:
-                ranked.append((-score, -len(left), -len(right), left, right))
-    ranked.sort(key=lambda m: m[:3])  # stable: ties keep vocabulary order
-    return [(m[3], m[4]) for m in ranked]
+                pairs.append((left, right))
+                key_score.append(score)
+                key_left.append(cut)
+                key_right.append(len(tok) - cut)
+    # np.lexsort: the last key is the primary one; stable, so ties keep vocabulary order.
+    order = np.lexsort((-np.asarray(key_right), -np.asarray(key_left),
+                        -np.asarray(key_score, dtype=np.float64)))
+    return [pairs[i] for i in order.tolist()]
 
 
 def _set_bos_eos(backend: HFTokenizer, bos: str | None, eos: str | None) -> None:
