@@ -348,7 +348,7 @@ def _resident(args: argparse.Namespace) -> Remote | None:
     before anything heavy is imported, so a remote command never loads torch."""
     if args.local:
         return None
-    if not (args.server or os.environ.get("KVLOOP_SERVER") or runfile.live()):
+    if not (args.server or os.environ.get(runfile.SERVER_ENV) or runfile.live()):
         return None  # nothing to reach: kvloop.client (httpx) stays unimported
     from kvloop import client
 

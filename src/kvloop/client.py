@@ -25,9 +25,8 @@ import httpx
 from kvloop import runfile
 from kvloop.errors import KvloopError, RemoteError
 from kvloop.params import SamplingParams
-from kvloop.runfile import RunInfo, comparable_options, model_identity
+from kvloop.runfile import SERVER_ENV, RunInfo, comparable_options, model_identity
 
-SERVER_ENV = "KVLOOP_SERVER"
 API_KEY_ENV = "KVLOOP_API_KEY"
 _PROBE_S = 2.0  # /health of a local server answers in milliseconds
 _CONNECT_S = 5.0
@@ -89,7 +88,7 @@ def discover(server: str | None, model: str | None, asked: dict[str, Any]) -> Re
         return Remote(url, key, info)
     first_why = None
     for info in runfile.live():
-        state = _probe(info.url)
+        state = probe(info.url)
         if state == "refused":  # a recycled pid, or a server that lost its socket
             runfile.remove(info)
             continue
@@ -108,7 +107,7 @@ def _note(message: str) -> None:
     print(f"kvloop: {message}", file=sys.stderr)
 
 
-def _probe(url: str) -> str:
+def probe(url: str) -> str:
     """'ok', 'refused' (nothing listens there) or 'busy' (draining, slow, failing)."""
     try:
         r = httpx.get(f"{url}/health", timeout=_PROBE_S)

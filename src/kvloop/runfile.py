@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 RUNTIME_DIR_ENV = "KVLOOP_RUNTIME_DIR"  # tests and odd setups: where run files live
+SERVER_ENV = "KVLOOP_SERVER"  # a server to use, named by its URL (instead of the run files)
 _PREFIX, _SUFFIX = "serve-", ".json"
 
 

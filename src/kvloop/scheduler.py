@@ -177,9 +177,10 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted itself: the list shrank, i already points past it
             scheduled.append(req)
-            budget -= self._cost(req, n) + k
+            cost = self._cost(req, n)
+            budget -= cost + k
             if not decode:
-                prefill_room -= self._cost(req, n)
+                prefill_room -= cost
             self._add_to_output(out, req, n, k)
             i += 1
 
@@ -202,8 +203,9 @@ class Scheduler:
                 req.metrics.num_cached_tokens = req.num_computed_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            budget -= self._cost(req, n)
-            prefill_room -= self._cost(req, n)
+            cost = self._cost(req, n)
+            budget -= cost
+            prefill_room -= cost
             self._add_to_output(out, req, n)
         out.blocks_to_copy = self.kv.take_copies()
         return out

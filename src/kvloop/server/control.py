@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 from kvloop import runfile
+from kvloop.client import probe
 from kvloop.engine_flags import default_engine_options
 from kvloop.server.cli import DETACHED_LOG_ENV
 
@@ -49,7 +50,7 @@ def detach(serve_argv: list[str], timeout: float = READY_TIMEOUT_S) -> int:
                    f"{_last_error(log)} (log: {log})")
             return 2 if status == 2 else 1
         info = runfile.read(run_file)
-        if info is not None and info.url and _healthy(info.url):
+        if info is not None and info.url and probe(info.url) == "ok":
             print(f"kvloop: serving {info.model} at {info.url} (pid {info.pid}, log {log}); "
                   f"`kvloop stop` ends it")
             return 0
@@ -123,13 +124,6 @@ def _last_error(log: Path) -> str:
     errors = [ln.removeprefix("kvloop: error: ") for ln in lines
               if ln.startswith("kvloop: error: ")]
     return errors[-1] if errors else (lines[-1] if lines else "no output")
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=2.0).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def exited(pid: int) -> bool:
