@@ -1,7 +1,8 @@
-"""Where a decode step's time goes, on the default model.
+"""Where a decode step's time goes, on the default model (or --model).
 
-    python benchmarks/profile_decode.py [--quantization none|int8|int4] [--pytorch]
-                                        [--batch B --prompt N] [--write BENCHMARKS.md]
+    python benchmarks/profile_decode.py [--quantization none|int8|int4|gguf] [--pytorch]
+                                        [--batch B --prompt N] [--model FILE.gguf]
+                                        [--write BENCHMARKS.md]
 
 --batch B: B requests decoding together (their N-token prompts prefilled in one step, not
 counted), as in the 32-request row of bench_all.py (--batch 32 --prompt 64).
@@ -87,7 +88,7 @@ def linear_ms(model: Any, rows: int, runs: int = 20) -> float:
 
 
 def native(args: argparse.Namespace) -> str:
-    llm = LLM(quantization=args.quantization)
+    llm = LLM(args.model, quantization=args.quantization)
     runner = llm.engine.runner
     assert runner.decoder is not None, "native kernels unavailable: use --pytorch"
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
@@ -115,7 +116,7 @@ def native(args: argparse.Namespace) -> str:
     samp = sampler.seconds["call"] / steps * 1e3
     lin = min(linear_ms(eng.model, B), fwd)
     rows = [
-        ("linear layers, 30 x (qkv, o, gate/up, down) (C++)", lin),
+        (f"linear layers, {len(eng.model.layers)} x (qkv, o, gate/up, down) (C++)", lin),
         ("attention, norms, rope, SiLU, cache writes (C++, the step minus its linears)",
          fwd - lin),
         ("output head (C++)", head),
@@ -153,7 +154,7 @@ def native(args: argparse.Namespace) -> str:
 
 
 def pytorch(args: argparse.Namespace) -> str:
-    llm = LLM(quantization=args.quantization)
+    llm = LLM(args.model, quantization=args.quantization)
     llm.engine.runner.decoder = None  # every step through the PyTorch modules
     ids = prompt_ids(llm.tokenizer, 128, 0)
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
@@ -211,6 +212,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens per sequence")
     ap.add_argument("--pytorch", action="store_true",
                     help="profile the PyTorch modules instead of the native decode step")
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
     ap.add_argument("--write", type=Path, default=None)
     args = ap.parse_args()
     kind = "pytorch" if args.pytorch else "native"

@@ -16,16 +16,16 @@ import pytest
 import torch
 
 from conftest import require_native_kernels, write_gguf
-from kvloop import LLM, SamplingParams
+from kvloop import LLM, SamplingParams, kernels
 from kvloop.engine.llm_engine import load_model, resolve_quantization
 from kvloop.engine_flags import add_engine_flags
-from kvloop.kernels.linear import linear_reference, native_linear
-from kvloop.loading.blocks import BLOCK_TYPES, decode
+from kvloop.kernels.linear import linear_reference, native_linear, native_stack
 from kvloop.loading.loader import load_checkpoint
 from kvloop.models.attention import AttentionMetadata, PrefillSegment
 from kvloop.models.linear import Linear
-from kvloop.quant import BlockLinear, GroupWeights
-from kvloop.quant.layout import Q4, Q4F, Q8B
+from kvloop.quant import BlockLinear, GroupWeights, StackedLinear
+from kvloop.quant.layout import Q4, Q4F, Q8B, STORED
+from kvloop.quant.stored import BLOCK_TYPES, STORED_KINDS, StoredRows, cat, decode, stored
 
 T = gguf.GGMLQuantizationType
 # Byte offsets of each block's fp16 fields (d, and dmin / m where there is one).
@@ -82,6 +82,62 @@ def test_blocks_from_gguf_quantize_equal_gguf_exactly(kind: T) -> None:
     raw = gguf.quants.quantize(x, kind)
     assert torch.equal(BlockLinear(decode(raw, kind, rows, cols)).dequantize(),
                        oracle(raw, kind, rows, cols))
+
+
+@pytest.mark.parametrize("kind", list(STORED_KINDS), ids=lambda k: k.name)
+def test_stored_rows_are_the_file_bytes_and_gguf_values(kind: T) -> None:
+    """Formats the kernels read as stored keep the file's bytes (reordered and stacked by
+    rows); their weights are gguf's float32 exactly, in Python and as the kernel decodes."""
+    rows, cols = 12, 768
+    raw = random_blocks(kind, rows, cols, 4)
+    w = stored(raw, kind, rows, cols)
+    assert isinstance(w, StoredRows) and np.array_equal(w.raw.numpy(), raw)
+    ref = oracle(raw, kind, rows, cols)
+    lin = BlockLinear(w)
+    assert lin.kind == STORED_KINDS[kind] and lin.weight_bytes == raw.nbytes
+    assert torch.equal(lin.dequantize(), ref)
+    perm = torch.randperm(rows, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(w.rows(perm).dequantize(), ref[perm])
+    ids = torch.tensor([3, 0, 11, 3])
+    assert torch.equal(lin.rows(ids), ref[ids])  # an embedding lookup
+    two = cat([w, stored(raw[:5], kind, 5, cols)])
+    assert isinstance(two, StoredRows) and torch.equal(two.dequantize(), torch.cat([ref, ref[:5]]))
+    if kernels.available():
+        k, weight, K, sc, _ = lin.native_spec()
+        assert torch.equal(native_linear(k, weight, K, sc).decoded(False), ref)
+
+
+def test_fused_layer_of_mixed_formats_keeps_each_parts_blocks() -> None:
+    """q/k as Q4_K blocks with v as Q6_K (half the layers of a Q4_K_M file), or q/k Q5_0
+    with v Q8_0: no one layout holds them in their own bytes, so each keeps its blocks
+    (q and k joined) in a stack whose weights, bias, kernel and fallback are the parts'."""
+    for (fq, fv) in ((T.Q4_K, T.Q6_K), (T.Q5_0, T.Q8_0)):
+        q, k, v = (random_blocks(f, r, 512, i) for i, (f, r) in
+                   enumerate(((fq, 32), (fq, 16), (fv, 16))))
+        w = cat([stored(q, fq, 32, 512), stored(k, fq, 16, 512), stored(v, fv, 16, 512)])
+        assert isinstance(w, list) and [p.shape for p in w] == [(48, 512), (16, 512)]
+        assert isinstance(w[0], StoredRows) and w[0].fmt == fq
+        ref = torch.cat([oracle(q, fq, 32, 512), oracle(k, fq, 16, 512),
+                         oracle(v, fv, 16, 512)])
+        bias = torch.randn(64)
+        lin = StackedLinear([BlockLinear(p, b) for p, b in zip(w, bias.split([48, 16]),
+                                                                strict=True)])
+        assert lin.out_features == 64 and torch.equal(lin.dequantize(), ref)
+        x = torch.randn(3, 512)
+        dense = (x.double() @ ref.double().T + bias.double()).float()
+        torch.testing.assert_close(lin(x), dense, rtol=0, atol=1e-5 * float(dense.abs().max()))
+        if kernels.available():
+            parts = [native_linear(*b.native_spec()[:4], b.bias) for b in lin.blocks()]
+            stack = native_stack(parts)
+            assert stack.out_features == 64 and stack.weight_bytes == sum(
+                p.weight_bytes for p in parts)
+            assert torch.equal(stack.decoded(False), ref)
+            for M in (1, 5, 70):  # the block kernels, and the batched path when set
+                xm = torch.randn(M, 512)
+                want = torch.cat([p.forward(xm) for p in parts], dim=1)
+                assert torch.equal(stack.forward(xm), want)
+            stack.set_batched_decode(16)
+            assert all(p.batched_min_rows == 16 for p in parts)
 
 
 def test_layouts_are_compact_where_exact() -> None:
@@ -154,7 +210,8 @@ def test_real_gemma_tensors_equal_gguf_exactly(real_gemma_path: Path) -> None:
         if t.tensor_type not in BLOCK_TYPES:
             continue
         rows, cols = (int(d) for d in reversed(t.shape))
-        lin = BlockLinear(decode(np.asarray(t.data), t.tensor_type, rows, cols))
+        lin = BlockLinear(stored(np.asarray(t.data), t.tensor_type, rows, cols))
+        assert (lin.kind in STORED.values()) == (t.tensor_type in STORED_KINDS), t.name
         for r in range(0, rows, 16384):  # the 262144-row embedding in slices
             ref = torch.from_numpy(gguf.quants.dequantize(t.data[r : r + 16384], t.tensor_type))
             assert torch.equal(lin.dequantize(r, r + 16384), ref.view(-1, cols)), t.name
@@ -166,12 +223,16 @@ def test_real_gemma_auto_runs_every_layer_as_stored(real_gemma_path: Path) -> No
     llm = LLM(real_gemma_path, kv_cache_memory="64MiB")
     assert llm.engine.config.quantization == "gguf"
     model = llm.engine.model
+    layers = [m for m in model.modules() if isinstance(m, BlockLinear | StackedLinear)
+              and not any(m in s.parts for s in model.modules() if isinstance(s, StackedLinear))]
+    assert len(layers) == 4 * model.config.num_layers + 1  # every layer and the head
     blocks = [m for m in model.modules() if isinstance(m, BlockLinear)]
-    assert len(blocks) == 4 * model.config.num_layers + 1  # every layer and the head
     assert not [m for m in model.modules() if isinstance(m, Linear)]
     assert model.lm_head.kind == Q8B  # token_embd's Q8_0 blocks
-    # Fused q/k/v mixes Q5_0 and Q8_0 in some layers: one fp16-scaled 8-bit layout.
-    assert {m.kind for m in blocks} == {Q8B, Q4F}
+    # Q5_0, Q4_K and Q6_K layers read their blocks as stored; fused q/k/v mixes Q5_0 and
+    # Q8_0 in some layers: a stack of the two, the Q8_0 part (like the head) 8-bit codes.
+    assert sum(isinstance(m, StackedLinear) for m in layers) == 9
+    assert {m.kind for m in blocks} == {Q8B, STORED["Q5_0"], STORED["Q4_K"], STORED["Q6_K"]}
     # Close to the fp32 reference (int8-rounded activations are the only difference):
     # the last position's logits of a prompt, through the whole model.
     fp32 = LLM(real_gemma_path, kv_cache_memory="64MiB", quantization="none")
@@ -388,15 +449,16 @@ def test_stored_blocks_decode_each_tensor_once_and_codes_are_int8(
 
     decoded: list[tuple[int, int]] = []
 
-    def counted(raw: Any, kind: Any, rows: int, cols: int) -> GroupWeights:
+    def counted(raw: Any, kind: Any, rows: int, cols: int) -> Any:
         decoded.append((rows, cols))
-        return decode(raw, kind, rows, cols)
+        return stored(raw, kind, rows, cols)
 
-    monkeypatch.setattr(gguf_module, "decode", counted)
+    monkeypatch.setattr(gguf_module, "stored", counted)
     checkpoint = load_checkpoint(default_gguf)
     blocks = checkpoint.block_weights()
     assert "model.embed_tokens.weight" in blocks and "nope" not in blocks and decoded == []
     w = blocks["model.embed_tokens.weight"]
+    assert isinstance(w, GroupWeights)  # Q8_0
     assert w.codes.dtype == torch.int8 and len(decoded) == 1
     decoded.clear()
     load_model(checkpoint, quantization="gguf")

@@ -22,7 +22,9 @@ import torch
 from conftest import require_native_kernels
 from kvloop import dispatch
 from kvloop.kernels import build
-from kvloop.kernels.linear import F32, dequantize, linear_reference
+from kvloop.kernels.linear import F32, dequantize, linear_reference, quantize_acts_reference
+from kvloop.quant.stored import STORED_KINDS, StoredRows
+from test_block_formats import F16_FIELDS, oracle, random_blocks
 from test_native import LINEAR_RTOL, _gen, _layouts, assert_linear_close
 
 # Every row count either side of a threshold of any policy (16, 65), of the kernels' 4- and
@@ -79,6 +81,58 @@ def test_every_path_matches_float64_at_threshold_rows(isa: str, layout: str) -> 
             ref = (x.double() @ dense.T + bias.double()).float()
             torch.testing.assert_close(y, ref, rtol=0, atol=LINEAR_RTOL * float(ref.abs().max()),
                                        msg=lambda m, what=what: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("fmt", list(STORED_KINDS), ids=lambda f: f.name)
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512vnni"])
+def test_stored_blocks_match_gguf_float64_at_threshold_rows(isa: str, fmt: Any) -> None:
+    """GGUF blocks the kernels read as stored (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1), on every build:
+    decoded rows equal the `gguf` package's dequantization bit for bit, and each path (the
+    block kernels below the policy's threshold, a GEMM over decoded rows from it) equals
+    its float64 reference over gguf's weights at every threshold row count."""
+    mod = _module(isa)
+    p = _policy_for(isa)
+    N, K = 136, 768  # three 256-weight super-blocks a row
+    raw = random_blocks(fmt, N, K, seed=len(isa) + int(fmt), scale=0.01)
+    _normal_scales(raw, fmt, seed=int(fmt))  # no edge values: a tolerance for every row
+    w = StoredRows(torch.from_numpy(raw), fmt, K)
+    kind, weight, _ = w.native()
+    g = _gen(int(fmt) * 7 + len(isa))
+    bias = torch.randn(N, generator=g)
+    lin = mod.QLinear(kind, weight, K, None, bias, False)
+    gguf_w = oracle(raw, fmt, N, K)  # float32, the package's own arithmetic
+    assert torch.equal(lin.decoded(False), gguf_w), f"{isa} {fmt.name}: decoded rows"
+    assert lin.weight_bytes == raw.nbytes + 4 * N  # the blocks as stored, and the bias
+    dense = gguf_w.double()
+    lin.set_batched_decode(p.quantized_min_rows, p.quantized_bf16)
+    for M in ROWS:
+        x = torch.randn(M, K, generator=g)
+        y = lin.forward(x)
+        what = f"{isa} {fmt.name} M={M}"
+        if p.quantized_min_rows > M:  # the block kernels: int8 activations
+            q, d = quantize_acts_reference(x)
+            xd = (q.view(M, -1, 32).double() * d.double()[..., None]).view(M, K)
+            assert_linear_close(y, (xd @ dense.T + bias.double()).float(), what)
+        elif p.quantized_bf16:
+            xb, wb = x.to(torch.bfloat16).double(), dense.to(torch.bfloat16).double()
+            ref = ((xb @ wb.T).to(torch.bfloat16).double() + bias.double()).float()
+            torch.testing.assert_close(y, ref, rtol=2**-7, atol=2**-8 * float(ref.abs().max()),
+                                       msg=lambda m, what=what: f"{what}: {m}")
+        else:
+            assert_linear_close(y, (x.double() @ dense.T + bias.double()).float(), what)
+
+
+def _normal_scales(raw: Any, fmt: Any, seed: int) -> None:
+    """Every block's fp16 fields (d, dmin / m) ~ N(0, 0.01), in place."""
+    import gguf
+    import numpy as np
+
+    _, size = gguf.GGML_QUANT_SIZES[fmt]
+    b = raw.reshape(-1, size)
+    rng = np.random.default_rng(seed)
+    for off in F16_FIELDS[fmt]:
+        v = (rng.standard_normal(b.shape[0]) * 0.01).astype(np.float16)
+        b[:, off : off + 2] = v.view(np.uint8).reshape(-1, 2)
 
 
 def test_policy_is_per_cpu_class() -> None:

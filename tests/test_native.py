@@ -387,7 +387,12 @@ def test_bad_linear_inputs_raise() -> None:
     q4, _ = make_weight(Q4, N, K, _gen(0))
     scales = torch.ones(N)
     with pytest.raises(RuntimeError, match="weight kind"):
-        native_linear(5, f32, K)
+        native_linear(10, f32, K)
+    # Stored blocks (kinds 5-9): whole blocks a row, bytes as the format lays them out.
+    with pytest.raises(RuntimeError, match="whole number of the format's blocks"):
+        native_linear(5, torch.zeros(N, 144, dtype=torch.uint8), K)  # Q4_K: 256 a block
+    with pytest.raises(RuntimeError, match="stored block weight must be"):
+        native_linear(8, torch.zeros(N, 21, dtype=torch.uint8), 32)  # Q5_0: 22 bytes
     # The block layouts (kinds 3, 4): malformed group scales are refused by name.
     with pytest.raises(RuntimeError, match=r"int4 \(fp32 scales\) weight must be"):
         native_linear(3, q4, K)  # a Q4 (20-byte group) row is not a Q4F (24-byte) one

@@ -84,6 +84,12 @@ def native_linear(kind: int, weight: torch.Tensor, in_features: int,
     return _ext().QLinear(kind, weight, in_features, scales, bias, float_acts)
 
 
+def native_stack(parts: list[Any]) -> Any:
+    """Kernel-side layers (native_linear) of one in_features stacked along the output: a
+    fused layer whose parts keep layouts of their own."""
+    return _ext().QLinear.stack(parts)
+
+
 def quantize_acts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's own activation rounding: (int8 [M, K], scales [M, K/32])."""
     q, d = _ext().quantize_acts(x)

@@ -19,12 +19,11 @@ import torch
 
 from kvloop.config import ModelConfig
 from kvloop.errors import ModelLoadError
-from kvloop.loading.blocks import BLOCK_TYPES, decode
 from kvloop.loading.gguf_reader import GGUFHeader, TensorInfo
 from kvloop.models.base import Architecture
 from kvloop.models.registry import get_architecture
 from kvloop.quant.int4 import GROUP_SIZE, Int4Weights
-from kvloop.quant.layout import GroupWeights
+from kvloop.quant.stored import BLOCK_TYPES, Weights, stored
 
 GGUF_MAGIC = b"GGUF"
 
@@ -287,17 +286,17 @@ class GGUFFile:
                 return unpermute_qk(np.arange(rows), n)
         return None
 
-    def block_weights(self, config: ModelConfig) -> Mapping[str, GroupWeights]:
-        """Every 2-D tensor in a block format (kvloop.loading.blocks), as its codes and
-        group scales exactly as stored, renamed and un-permuted like `tensors`; each one
-        decoded when it is looked up (one layer's worth of codes in memory at a time)."""
+    def block_weights(self, config: ModelConfig) -> Mapping[str, Weights]:
+        """Every 2-D tensor in a block format (kvloop.quant.stored), as its blocks or its
+        codes and group scales, exactly as stored, renamed and un-permuted like `tensors`;
+        each one read when it is looked up (one layer's worth in memory at a time)."""
         self.check_tensors()
 
-        def read(name: str, t: TensorInfo) -> GroupWeights:
+        def read(name: str, t: TensorInfo) -> Weights:
             rows, cols = (int(d) for d in reversed(t.shape))
-            w = decode(np.asarray(t.data), t.tensor_type, rows, cols)
+            w = stored(np.asarray(t.data), t.tensor_type, rows, cols)
             order = self._row_order(name, rows, config)
-            self.reader.release(t.offset, t.nbytes)  # decode() copied what it needs
+            self.reader.release(t.offset, t.nbytes)  # stored() copied what it needs
             return w if order is None else w.rows(torch.from_numpy(order))
 
         return _Lazy(self._stored(BLOCK_TYPES), read)

@@ -24,7 +24,8 @@ from kvloop.loading.gguf import GGUFFile, is_gguf
 from kvloop.loading.tokenizer import Tokenizer
 from kvloop.models.base import config_dims
 from kvloop.models.registry import get_architecture
-from kvloop.quant import GroupWeights, Int4Weights
+from kvloop.quant import Int4Weights
+from kvloop.quant.stored import Weights
 
 # Upper limits on a model's hyper-parameters, checked before anything is allocated: a model
 # file is untrusted input, and these numbers size tables and loops. Each is far above every
@@ -63,7 +64,7 @@ class Checkpoint:
     # Every linear tensor in a GGUF block format, as stored (codes + group scales), for
     # quantization "gguf"; and whether there are any (what "auto" resolves on). Mappings
     # that read a tensor when it is looked up.
-    block_weights: Callable[[], Mapping[str, GroupWeights]] = dict
+    block_weights: Callable[[], Mapping[str, Weights]] = dict
     quantized_linears: bool = False
     tensor_names: frozenset[str] = frozenset()  # HF names of the tensors the file holds
 

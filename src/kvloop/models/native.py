@@ -15,10 +15,10 @@ from typing import Any, Protocol, cast
 import torch
 
 from kvloop import dispatch, kernels
-from kvloop.kernels.linear import native_linear
+from kvloop.kernels.linear import native_linear, native_stack
 from kvloop.models.base import GELU_TANH, SILU, CausalLM, LayerSpec, ModelSpec
 from kvloop.models.registry import get_architecture
-from kvloop.quant import BlockLinear, Int4Linear, Int8Linear
+from kvloop.quant import BlockLinear, Int4Linear, Int8Linear, StackedLinear
 from kvloop.quant.layout import F32, Q8, Q8B
 
 
@@ -73,6 +73,11 @@ def attach_native_linears(model: CausalLM) -> None:
     for module in model.modules():
         if isinstance(module, Int8Linear | Int4Linear | BlockLinear):
             module.native = native_linear_of(module, float_acts=module is model.lm_head)
+            module.native.set_batched_decode(min_rows, bf16)
+    # Stacks after their parts (modules() lists a parent first).
+    for module in model.modules():
+        if isinstance(module, StackedLinear):
+            module.native = native_stack([p.native for p in module.blocks()])
             module.native.set_batched_decode(min_rows, bf16)
 
 

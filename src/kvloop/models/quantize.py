@@ -11,17 +11,19 @@ from torch import nn
 from tqdm import tqdm
 
 from kvloop import kernels
+from kvloop.kernels.linear import native_stack
 from kvloop.models.base import CausalLM
 from kvloop.models.linear import Linear
 from kvloop.quant import (
     QUANTIZATIONS,
     BlockLinear,
-    GroupWeights,
     Int4Linear,
     Int4Weights,
     Int8Linear,
+    StackedLinear,
 )
 from kvloop.quant.layout import Q8B
+from kvloop.quant.stored import StoredRows, Weights, cat
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +55,7 @@ def _decoder_linears(model: CausalLM, source: Collection[str]
 
 def quantize_model(model: CausalLM, mode: str,
                    int4_source: Mapping[str, Int4Weights] | None = None,
-                   block_source: Mapping[str, GroupWeights] | None = None) -> None:
+                   block_source: Mapping[str, Weights] | None = None) -> None:
     """`mode`: "none", "int8", "int4" or "gguf", on a model whose weights are loaded. With
     int4, layers whose checkpoint tensors are 4-bit blocks (GGUF Q4_0 / Q4_1,
     `int4_source`) take those codes as they are (use_stored_int4); the rest are quantized
@@ -103,13 +105,15 @@ def use_stored_int4(model: CausalLM, source: Mapping[str, Int4Weights]) -> set[s
     return taken
 
 
-def use_stored_blocks(model: CausalLM, source: Mapping[str, GroupWeights]) -> set[str]:
+def use_stored_blocks(model: CausalLM, source: Mapping[str, Weights]) -> set[str]:
     """Every linear layer whose checkpoint tensors are all in a block format becomes a
     BlockLinear over those blocks; the head too (for tied embeddings: the embedding
     table's blocks). Fused layers (q/k/v, gate/up) whose parts differ in format are put
-    in one layout that holds every part exactly (GroupWeights.cat: Q5_0 and Q8_0 parts,
-    for instance, are both 8-bit codes with fp16 scales per 32); where none can, or where
-    a part is stored dense (F32/F16/BF16), the layer stays fp32. Returns the tensor names
+    in one layout that holds every part exactly (kvloop.quant.stored.cat: Q5_0 and Q8_0
+    parts, for instance, are both 8-bit codes with fp16 scales per 32); where none can,
+    or where a part is stored dense (F32/F16/BF16), the layer stays fp32. The head keeps
+    fp32 activations (see _attach_native), which the kernels take only with 8-bit codes:
+    a head stored as K-quant blocks is held as codes and scales. Returns the tensor names
     it took (the embedding's not among them: the lookup still reads it), so that it can
     run before the weights are loaded and the loader skips them.
 
@@ -125,14 +129,21 @@ def use_stored_blocks(model: CausalLM, source: Mapping[str, GroupWeights]) -> se
         lin = getattr(owner, attr)
         if not isinstance(lin, Linear) or not all(n in source for n in names):
             return
-        w = GroupWeights.cat([source[n] for n in names])
+        w = cat([source[n] for n in names])
+        if is_head and isinstance(w, StoredRows):
+            w = w.groups()
         if w is None:
             log.info("%s: formats with no common exact layout, kept fp32", names)
             return
-        if w.shape != (lin.out_features, lin.in_features):
-            log.warning("%s: stored blocks have shape %s, kept fp32", names, w.shape)
+        ws = w if isinstance(w, list) else [w]
+        shape = (sum(p.shape[0] for p in ws), ws[0].shape[1])
+        if shape != (lin.out_features, lin.in_features):
+            log.warning("%s: stored blocks have shape %s, kept fp32", names, shape)
             return
-        new = BlockLinear(w, lin.bias)
+        rows = [p.shape[0] for p in ws]
+        biases = (lin.bias.split(rows) if lin.bias is not None else [None] * len(ws))
+        blocks = [BlockLinear(p, b) for p, b in zip(ws, biases, strict=True)]
+        new: nn.Module = blocks[0] if len(blocks) == 1 else StackedLinear(blocks)
         _attach_native(new, is_head)
         setattr(owner, attr, new)
         taken.update(n for n in names if n != EMBEDDING)
@@ -145,7 +156,7 @@ def use_stored_blocks(model: CausalLM, source: Mapping[str, GroupWeights]) -> se
     return taken
 
 
-def use_stored_embedding(model: CausalLM, source: Mapping[str, GroupWeights]) -> set[str]:
+def use_stored_embedding(model: CausalLM, source: Mapping[str, Weights]) -> set[str]:
     """The embedding table as its stored blocks, when the checkpoint stores it so: each
     looked-up row is decoded (the values the fp32 table would hold, at a quarter of its
     memory or less). With tied embeddings and a head built from the same blocks
@@ -172,10 +183,17 @@ def use_stored_embedding(model: CausalLM, source: Mapping[str, GroupWeights]) ->
     return {EMBEDDING}
 
 
-def _attach_native(layer: BlockLinear, is_head: bool) -> None:
+def _attach_native(layer: nn.Module, is_head: bool) -> None:
     """The layer's native kernel, when the kernels are built (the decode step re-attaches
     them with more). The head keeps fp32 activations: int8 rounding of its input moved
     greedy tokens (kvloop.models.native)."""
+    if isinstance(layer, StackedLinear):
+        for part in layer.blocks():
+            _attach_native(part, is_head)
+        if kernels.available() and layer.native is None:
+            layer.native = native_stack([p.native for p in layer.blocks()])
+        return
+    assert isinstance(layer, BlockLinear)
     if kernels.available() and layer.native is None:
         kind, weight, k, scales, bias = layer.native_spec()
         layer.native = kernels.native_linear(kind, weight, k, scales, bias,

@@ -2,7 +2,7 @@
 scale and zero point), and a checkpoint's own blocks as stored ("gguf"); fp32 stays the
 reference path."""
 
-from kvloop.quant.block import BlockLinear
+from kvloop.quant.block import BlockLinear, StackedLinear
 from kvloop.quant.int4 import GROUP_SIZE, Int4Linear, Int4Weights
 from kvloop.quant.int8 import Int8Linear
 from kvloop.quant.layout import GroupWeights
@@ -12,4 +12,4 @@ from kvloop.quant.layout import GroupWeights
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "gguf")
 
 __all__ = ["GROUP_SIZE", "QUANTIZATIONS", "BlockLinear", "GroupWeights", "Int4Linear",
-           "Int4Weights", "Int8Linear"]
+           "Int4Weights", "Int8Linear", "StackedLinear"]

@@ -1,7 +1,9 @@
 """A linear layer over a checkpoint's own quantized blocks ("as stored"): GGUF's Q4_0,
 Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K tensors, mapped without re-quantization onto
-a native kernel layout (kvloop.quant.layout.GroupWeights.native) whose weights, computed
-as the kernels read them, equal the `gguf` package's dequantization bit for bit.
+a native kernel layout whose weights, computed as the kernels read them, equal the `gguf`
+package's dequantization bit for bit: the blocks as they lie (kvloop.quant.stored.
+StoredRows: Q4_K, Q5_K, Q6_K, Q5_0, Q5_1) or their codes and group scales
+(kvloop.quant.layout.GroupWeights.native).
 
 The native kernel (`native`, set by kvloop.models when the kernels are built) runs every
 forward. Without it the layer falls back to a dense fp32 matmul over the dequantized
@@ -10,21 +12,25 @@ weights, built once on first use: correct, but with fp32's memory.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
-from kvloop.quant.layout import Q4, Q4F, Q8B, GroupWeights, dequantize_native
+from kvloop.quant.layout import Q4, Q4F, Q8B, STORED, GroupWeights, dequantize_native
 
-_NAMES = {Q4: "4-bit fp16 g32", Q4F: "4-bit fp32 g32", Q8B: "8-bit"}
+if TYPE_CHECKING:
+    from kvloop.quant.stored import StoredRows
+
+_NAMES = {Q4: "4-bit fp16 g32", Q4F: "4-bit fp32 g32", Q8B: "8-bit",
+          **{kind: f"{name} blocks" for name, kind in STORED.items()}}
 
 
 class BlockLinear(nn.Module):
     weight_q: torch.Tensor
     scales: torch.Tensor | None
 
-    def __init__(self, w: GroupWeights, bias: torch.Tensor | None = None,
+    def __init__(self, w: GroupWeights | StoredRows, bias: torch.Tensor | None = None,
                  source: str = "") -> None:
         super().__init__()
         self.out_features, self.in_features = w.shape
@@ -79,3 +85,33 @@ class BlockLinear(nn.Module):
     def extra_repr(self) -> str:
         src = f" from {self.source}" if self.source else ""
         return f"{self.in_features} -> {self.out_features}, {_NAMES[self.kind]}{src}"
+
+
+class StackedLinear(nn.Module):
+    """A fused layer (q/k/v, gate/up) whose checkpoint parts are stored in formats no one
+    layout holds exactly (q/k as Q4_K blocks with v as Q6_K, as Q4_K_M files store half
+    their layers), or holds only at more bytes (Q5_0 with Q8_0 as 8-bit codes): each part
+    a BlockLinear over its own blocks (and its slice of the bias), the output theirs side
+    by side. The parts count their own bytes (weight_bytes); the native kernel is a stack
+    of theirs (kvloop.kernels.linear.native_stack)."""
+
+    def __init__(self, parts: list[BlockLinear]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.native: Any = None
+
+    def blocks(self) -> list[BlockLinear]:
+        return [cast(BlockLinear, p) for p in self.parts]
+
+    def dequantize(self) -> torch.Tensor:  # [N, K] fp32
+        return torch.cat([p.dequantize() for p in self.blocks()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
+        if self.native is not None:
+            return self.native.forward(x.float().contiguous())  # type: ignore[no-any-return]
+        return torch.cat([p(x) for p in self.blocks()], dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {len(self.parts)} parts"

@@ -80,11 +80,18 @@ struct QuantizedActs {
   std::vector<int8_t> qp;   // [M, K]     q with groups in pairs, for 4-bit weights (pair_acts)
   at::Tensor xb;  // bf16 input of the batched path (QLinear::set_batched_decode)
   at::Tensor wb;  // a chunk of weight rows decoded for the batched path (set_batched_decode)
+  std::vector<float> part_y;  // one stacked part's output (QLinear::stack)
 };
 
 constexpr int64_t kMaxGroups = 2048;  // int4: in_features up to 65536
 
-enum class WeightKind : int64_t { F32 = 0, Q8 = 1, Q4 = 2, Q4F = 3, Q8B = 4 };
+enum class WeightKind : int64_t {
+  F32 = 0, Q8 = 1, Q4 = 2, Q4F = 3, Q8B = 4,
+  // GGUF blocks as stored (stored_blocks.cpp): rows of whole blocks, read as they lie.
+  Q4_K = 5, Q5_K = 6, Q6_K = 7, Q5_0 = 8, Q5_1 = 9,
+  Stack = 10,  // QLinear::stack: parts of different kinds, not a layout of its own
+};
+constexpr int64_t kNumWeightKinds = 10;  // the layouts a QLinear is constructed with
 
 // y[M, N] = x[M, K] W^T (+ bias), W in one of these layouts:
 //   F32: weight fp32 [N, K].
@@ -97,7 +104,11 @@ enum class WeightKind : int64_t { F32 = 0, Q8 = 1, Q4 = 2, Q4F = 3, Q8B = 4 };
 //        in fp32, not in fp16).
 //   Q8B: weight int8 [N, K] codes; scales fp16 or fp32, [N, K / G] with G = 16 or 32
 //        (w = scale * q), or [N, 2, K / 32]: each row's scales then its mins (w = scale *
-//        q + min). GGUF's Q8_0, Q5_0, Q5_1, Q5_K and Q6_K blocks map onto it exactly.
+//        q + min). GGUF's Q8_0 blocks map onto it exactly, and every block format when
+//        a fused layer's parts differ.
+//   Q4_K, Q5_K, Q6_K, Q5_0, Q5_1: uint8 [N, K / QK * block bytes], each row GGUF's blocks
+//        of that format exactly as the file stores them (see stored_blocks.cpp): decode
+//        reads 4.5 to 6.6 bits a weight, not the 8 + scales of Q8B.
 // Quantized kinds use int8 activations (quantize_acts) unless float_acts; F32 keeps fp32.
 struct QLinear {
   WeightKind kind = WeightKind::F32;
@@ -120,9 +131,16 @@ struct QLinear {
   bool batched_bf16 = true;  // quantized kinds: decode to bf16 (false: fp32, sgemm)
   static constexpr int64_t kDecodeChunkBytes = 1 << 21;  // weight rows decoded at a time
 
+  // A fused layer whose checkpoint parts no one layout holds exactly (q/k as Q4_K blocks
+  // with v as Q6_K): their rows stacked along N, each part run by its own kernel into its
+  // columns. Biases stay with the parts.
+  std::vector<std::shared_ptr<QLinear>> parts;
+
+  QLinear() = default;  // for stack
   QLinear(int64_t kind, at::Tensor weight, int64_t in_features,
           std::optional<at::Tensor> scales, std::optional<at::Tensor> bias,
           bool float_acts = false);
+  static std::shared_ptr<QLinear> stack(const std::vector<std::shared_ptr<QLinear>>& parts);
   // Whether the kernel takes int8 activations (quantize_acts) rather than fp32 rows.
   bool quantized() const { return kind != WeightKind::F32 && !float_acts; }
   // Whether the kernel reads activations in pair order (pair_acts): the 4-bit kinds.
@@ -145,6 +163,16 @@ struct QLinear {
  private:
   void run_batched_decode(const float* x, int64_t M, QuantizedActs& scratch, float* y) const;
 };
+
+// GGUF blocks as stored (stored_blocks.cpp).
+bool is_stored(WeightKind kind);
+// Bytes of one row of K weights in a stored kind; 0 when K is not a whole number of blocks.
+int64_t stored_row_bytes(WeightKind kind, int64_t K);
+// Weight row n against activation rows m0..m1 (int8, element order): y[m, n].
+void stored_rows(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m1, int64_t n,
+                 float* y);
+// Row n of the weights, w = scale * code + min in fp32: the `gguf` package's values.
+void stored_decode_row(const QLinear& L, int64_t n, float* out);
 
 void quantize_acts(const float* x, int64_t M, int64_t K, QuantizedActs& out);
 // The order the 4-bit kernel reads activations in (QuantizedActs::qp), from a.q.

@@ -25,6 +25,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include <c10/util/Half.h>
 
@@ -55,17 +57,6 @@ constexpr int64_t kQ4FBlock = 24;  // Q4F: fp32 scale, fp32 min, 16 bytes of cod
 #ifdef __AVX2__
 // int8 x int8 dot products: vpmaddubsw wants u8 x s8, so w's sign moves onto x (|w| as u8
 // <= 128, |x| <= 127: a pair sums to at most 32512, no saturation) - see row_q8.
-
-// {f[0] x4, f[1] x4}: the factors of two adjacent groups (or half blocks) for the lanes
-// their dot products land in, from one 8-byte load and a permute (two broadcasts and an
-// insert cost a third more per group in the AVX2 inner loops).
-// (Loaded through __m128i, which may alias anything: a double* load of the float array
-// let the compiler move it above the stores that fill it.)
-inline __m256 pair_factors(const float* f) {
-  const __m256 two = _mm256_castps128_ps256(
-      _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(f))));
-  return _mm256_permutevar8x32_ps(two, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-}
 
 // Same for 4-bit codes in [0, 15] (already unsigned).
 inline __m256i dot_u4(__m256i q, __m256i x) {
@@ -207,14 +198,6 @@ void row_q8(const int8_t* W, const float* scales, const QuantizedActs& A, int64_
   }
 #endif
   for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c] * scales[n];
-}
-
-inline float half_to_float(uint16_t h) {
-#ifdef __F16C__
-  return _cvtsh_ss(h);
-#else
-  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
-#endif
 }
 
 // One group's scale or min of a row's table: fp32 (F32S) or fp16.
@@ -418,6 +401,34 @@ void row_q8b_float(const int8_t* W, const uint8_t* S, const float* X, int64_t K,
   const int8_t* w = W + n * K;
   const uint8_t* sc = S + n * ng * kS * (MIN ? 2 : 1);
   float out[C];
+#if defined(__AVX512F__)
+  if constexpr (!MIN) {
+    // Per group, the codes' dot product with x in fp32 (16 lanes), then one multiply-add
+    // by the group's scale: half the work per weight of rebuilding each weight first
+    // (this is the output head, a model's largest matrix: Gemma 3's 262k x 640).
+    // Two accumulators per row (even and odd groups) keep the scale chain in flight.
+    __m512 acc[2][C];
+    for (int c = 0; c < C; ++c) acc[0][c] = acc[1][c] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; ++g) {
+      const int64_t k = g * G;
+      __m512 t[C];
+      const __m512 w0 = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k))));
+      for (int c = 0; c < C; ++c) t[c] = _mm512_mul_ps(w0, _mm512_loadu_ps(X + (m0 + c) * K + k));
+      if constexpr (G == 32) {
+        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k + 16))));
+        for (int c = 0; c < C; ++c)
+          t[c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(X + (m0 + c) * K + k + 16), t[c]);
+      }
+      const __m512 sg = _mm512_set1_ps(scale_at<F32S>(sc, g));
+      for (int c = 0; c < C; ++c) acc[g & 1][c] = _mm512_fmadd_ps(t[c], sg, acc[g & 1][c]);
+    }
+    for (int c = 0; c < C; ++c)
+      Y[(m0 + c) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][c], acc[1][c]));
+    return;
+  }
+#endif
 #ifdef __AVX2__
   __m256 acc[C][2];
   for (int c = 0; c < C; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
@@ -572,6 +583,9 @@ void row_all(const QLinear& L, const float* x, const QuantizedActs* A, int64_t m
     case WeightKind::Q8B:
       rows_q8b_any<C>(L, x, A, m0, m1, n, y);
       break;
+    default:  // GGUF blocks as stored (stored_blocks.cpp)
+      stored_rows(L, *A, m0, m1, n, y);
+      break;
   }
 }
 
@@ -590,15 +604,15 @@ QLinear::QLinear(int64_t kind_, at::Tensor weight_, int64_t in_features_,
                  bool float_acts_)
     : kind(static_cast<WeightKind>(kind_)), float_acts(float_acts_), weight(std::move(weight_)),
       bias(std::move(bias_)) {
-  TORCH_CHECK(kind_ >= 0 && kind_ <= 4,
-              "weight kind must be 0 (fp32), 1 (int8), 2 (int4), 3 (int4, fp32 scales) or "
-              "4 (int8 codes, group scales)");
+  TORCH_CHECK(kind_ >= 0 && kind_ < kNumWeightKinds,
+              "weight kind must be 0 (fp32), 1 (int8), 2 (int4), 3 (int4, fp32 scales), "
+              "4 (int8 codes, group scales) or 5-9 (GGUF Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 blocks)");
   TORCH_CHECK(!float_acts_ || kind_ == 1 || kind_ == 4,
               "float activations are an int8-weight option");
   TORCH_CHECK(weight.dim() == 2, "weight must be 2-D");
   out_features = weight.size(0);
-  const bool packed4 = kind == WeightKind::Q4 || kind == WeightKind::Q4F;
-  in_features = packed4 ? in_features_ : weight.size(1);
+  const bool packed = kind == WeightKind::Q4 || kind == WeightKind::Q4F || is_stored(kind);
+  in_features = packed ? in_features_ : weight.size(1);
   const int64_t N = out_features, K = in_features;
   switch (kind) {
     case WeightKind::F32:
@@ -647,6 +661,13 @@ QLinear::QLinear(int64_t kind_, at::Tensor weight_, int64_t in_features_,
       }
       break;
     }
+    default: {  // GGUF blocks as stored
+      const int64_t row_bytes = stored_row_bytes(kind, K);
+      TORCH_CHECK(K > 0 && row_bytes > 0,
+                  "in_features must be a whole number of the format's blocks");
+      check_2d(weight, at::kByte, N, row_bytes, "stored block weight");
+      break;
+    }
   }
   if (bias.has_value()) {
     *bias = bias->contiguous();
@@ -655,7 +676,27 @@ QLinear::QLinear(int64_t kind_, at::Tensor weight_, int64_t in_features_,
   }
 }
 
+std::shared_ptr<QLinear> QLinear::stack(const std::vector<std::shared_ptr<QLinear>>& parts) {
+  TORCH_CHECK(!parts.empty(), "a stack needs at least one part");
+  auto s = std::make_shared<QLinear>();
+  s->kind = WeightKind::Stack;
+  s->in_features = parts[0]->in_features;
+  for (const auto& p : parts) {
+    TORCH_CHECK(p != nullptr && p->parts.empty() && !p->float_acts,
+                "stacked parts must be plain layers");
+    TORCH_CHECK(p->in_features == s->in_features, "stacked parts must share in_features");
+    s->out_features += p->out_features;
+  }
+  s->parts = parts;
+  return s;
+}
+
 int64_t QLinear::weight_bytes() const {  // what a decode step (< batched_min_rows) reads
+  if (!parts.empty()) {
+    int64_t n = 0;
+    for (const auto& p : parts) n += p->weight_bytes();
+    return n;
+  }
   int64_t n = weight.numel() * weight.element_size();
   if (scales.defined()) n += scales.numel() * scales.element_size();
   if (bias.has_value()) n += bias->numel() * 4;
@@ -663,6 +704,7 @@ int64_t QLinear::weight_bytes() const {  // what a decode step (< batched_min_ro
 }
 
 void QLinear::run(const float* x, const QuantizedActs* acts, int64_t M, float* y) const {
+  TORCH_CHECK(parts.empty(), "a stack runs through apply");
   const int64_t N = out_features;
   TORCH_CHECK(!quantized() || (acts != nullptr && acts->M == M && acts->K == in_features),
               "quantized weights need activations quantized for them");
@@ -706,6 +748,7 @@ at::Tensor QLinear::forward(const at::Tensor& x_) const {
 
 void QLinear::set_batched_decode(int64_t min_rows, bool bf16) {
   TORCH_CHECK(min_rows >= 1, "min_rows must be >= 1");
+  for (const auto& p : parts) p->set_batched_decode(min_rows, bf16);
   batched_decode = true;
   batched_bf16 = bf16;
   batched_min_rows = min_rows;
@@ -730,6 +773,21 @@ inline void store(at::BFloat16* out, float v) {
 template <typename T>
 void decode_row(const QLinear& L, int64_t n, T* out) {
   const int64_t K = L.in_features;
+  for (const auto& p : L.parts) {  // a stack: the part holding row n
+    if (n < p->out_features) return decode_row(*p, n, out);
+    n -= p->out_features;
+  }
+  if (is_stored(L.kind)) {
+    if constexpr (std::is_same_v<T, float>) {
+      stored_decode_row(L, n, out);
+    } else {
+      thread_local std::vector<float> row;
+      row.resize(K);
+      stored_decode_row(L, n, row.data());
+      for (int64_t k = 0; k < K; ++k) store(out + k, row[k]);
+    }
+    return;
+  }
   switch (L.kind) {
     case WeightKind::F32: {
       const float* w = L.weight.data_ptr<float>() + n * K;
@@ -775,6 +833,8 @@ void decode_row(const QLinear& L, int64_t n, T* out) {
       }
       break;
     }
+    default:
+      break;  // stored kinds: above
   }
 }
 
@@ -853,6 +913,19 @@ void QLinear::run_batched_decode(const float* x, int64_t M, QuantizedActs& scrat
 }
 
 void QLinear::apply(const float* x, int64_t M, QuantizedActs& acts, float* y) const {
+  if (!parts.empty()) {
+    const int64_t N = out_features;
+    int64_t off = 0;
+    for (const auto& p : parts) {
+      const int64_t Np = p->out_features;
+      acts.part_y.resize(M * Np);
+      p->apply(x, M, acts, acts.part_y.data());
+      for (int64_t m = 0; m < M; ++m)
+        std::memcpy(y + m * N + off, acts.part_y.data() + m * Np, Np * sizeof(float));
+      off += Np;
+    }
+    return;
+  }
   if (batched_decode && M >= batched_min_rows) {
     run_batched_decode(x, M, acts, y);
   } else if (quantized()) {

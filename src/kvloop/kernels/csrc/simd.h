@@ -1,11 +1,25 @@
-// Small AVX2 helpers shared by the kernel sources.
+// Small helpers shared by the kernel sources.
 #pragma once
+
+#include <cstdint>
+
+#include <c10/util/Half.h>
 
 #ifdef __AVX2__
 #include <immintrin.h>
+#endif
 
 namespace kvloop {
 
+inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+#endif
+}
+
+#ifdef __AVX2__
 // Sum of the 8 lanes.
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -14,5 +28,16 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-}  // namespace kvloop
+// {f[0] x4, f[1] x4}: the factors of two adjacent groups (or half blocks) for the lanes
+// their dot products land in, from one 8-byte load and a permute (two broadcasts and an
+// insert cost a third more per group in the AVX2 inner loops).
+// (Loaded through __m128i, which may alias anything: a double* load of the float array
+// let the compiler move it above the stores that fill it.)
+inline __m256 pair_factors(const float* f) {
+  const __m256 two = _mm256_castps128_ps256(
+      _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(f))));
+  return _mm256_permutevar8x32_ps(two, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
 #endif
+
+}  // namespace kvloop

@@ -1,7 +1,14 @@
-"""GGUF block formats as stored -> kvloop.quant.layout.GroupWeights, without
-re-quantization: each block's integer codes, and a scale (and min) per group computed
-exactly as the `gguf` package's dequantization computes them, so that scale * code + min
-in fp32 equals its weights bit for bit (tests/test_block_formats.py holds them to it).
+"""GGUF block formats as stored, without re-quantization, in one of two forms:
+
+- `StoredRows`: the tensor's blocks exactly as the file stores them, a row of weights its
+  blocks back to back, which the native kernels read as they lie (csrc/stored_blocks.cpp:
+  Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1);
+- `GroupWeights` (`decode`): each block's integer codes, and a scale (and min) per group
+  computed exactly as the `gguf` package's dequantization computes them, so that scale *
+  code + min in fp32 equals its weights bit for bit (tests/test_block_formats.py holds them
+  to it). Every format has this form; the kernels' Q4 and Q8B layouts hold it (Q8_0 and
+  Q4_0 / Q4_1 take no more bytes there than stored), and a fused layer whose parts differ
+  in format is put in one of them.
 
 Per format (w as gguf.quants computes it; why scale * code is exact in fp32):
   Q8_0  32 weights: d (fp16), 32 int8 q            w = d * q               11 + 8 bits
@@ -20,14 +27,19 @@ Per format (w as gguf.quants computes it; why scale * code is exact in fp32):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import gguf
 import numpy as np
 import torch
 
-from kvloop.quant.layout import GroupWeights
+from kvloop.quant.layout import STORED, GroupWeights
 
 T = gguf.GGMLQuantizationType
 BLOCK_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
+# The formats the kernels read as stored, and their kernel layout kinds.
+STORED_KINDS = {T.__members__[name]: kind for name, kind in STORED.items()}
+_FORMAT_OF = {kind: fmt for fmt, kind in STORED_KINDS.items()}
 
 
 def _f16(b: np.ndarray) -> np.ndarray:  # [n, 2] uint8 -> [n] fp32
@@ -114,3 +126,73 @@ def decode(raw: np.ndarray, kind: gguf.GGMLQuantizationType, rows: int,
     scales_t = t(np.asarray(scales, dtype=np.float32).reshape(rows, -1))
     mins_t = None if mins is None else t(np.asarray(mins, dtype=np.float32).reshape(rows, -1))
     return GroupWeights(codes_t, scales_t, mins_t, group, bits)
+
+
+@dataclass
+class StoredRows:
+    """[N, K] weights as a GGUF tensor's blocks exactly as stored: `raw` [N, K / QK *
+    block bytes] uint8, row n its blocks back to back (a GGUF tensor's rows already are),
+    so reordering or stacking rows is reordering or stacking `raw`'s."""
+
+    raw: torch.Tensor
+    fmt: gguf.GGMLQuantizationType
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.raw.shape[0]), self.in_features
+
+    def rows(self, perm: torch.Tensor) -> StoredRows:
+        """The same weights with rows reordered (GGUF's Q/K row permutation)."""
+        return StoredRows(self.raw[perm].contiguous(), self.fmt, self.in_features)
+
+    def groups(self) -> GroupWeights:
+        """The same weights as codes and group scales (exact)."""
+        return decode(self.raw.numpy(), self.fmt, *self.shape)
+
+    def dequantize(self) -> torch.Tensor:  # [N, K] fp32, the gguf package's values
+        return self.groups().dequantize()
+
+    def native(self) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+        """(kind, weight, scales) of the kernel layout: the blocks themselves."""
+        return STORED_KINDS[self.fmt], self.raw, None
+
+
+Weights = GroupWeights | StoredRows
+
+
+def stored(raw: np.ndarray, kind: gguf.GGMLQuantizationType, rows: int,
+           cols: int) -> Weights:
+    """A tensor's stored bytes -> StoredRows where the kernels read its format as stored
+    (and its rows are whole blocks), else its codes and group scales (`decode`)."""
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    if kind in STORED_KINDS and cols % block == 0:
+        data = np.array(raw, dtype=np.uint8, copy=True).reshape(rows, cols // block * size)
+        return StoredRows(torch.from_numpy(data), kind, cols)
+    return decode(raw, kind, rows, cols)
+
+
+def cat(parts: list[Weights]) -> Weights | list[Weights] | None:
+    """Stack along the output dimension (fused q/k/v or gate/up), in the fewest bytes that
+    hold every part exactly: the parts' blocks when all are stored in one format the
+    kernels read as stored; when some are and formats differ, the parts side by side
+    (adjacent ones of one format joined: a list, kvloop.quant.block.StackedLinear); when
+    none is, one GroupWeights layout (GroupWeights.cat; None where there is none)."""
+    runs: list[Weights] = []
+    for p in parts:
+        last = runs[-1] if runs else None
+        if (isinstance(p, StoredRows) and isinstance(last, StoredRows)
+                and last.fmt == p.fmt and last.in_features == p.in_features):
+            runs[-1] = StoredRows(torch.cat([last.raw, p.raw]), p.fmt, p.in_features)
+        else:
+            runs.append(p)
+    if len(runs) == 1:
+        return runs[0]
+    if any(isinstance(p, StoredRows) for p in runs):
+        return runs
+    return GroupWeights.cat([p for p in runs if isinstance(p, GroupWeights)])
+
+
+def dequantize_stored(kind: int, weight: torch.Tensor, in_features: int) -> torch.Tensor:
+    """A stored kind's rows ([N, row bytes] uint8) -> the weights, [N, K] fp32."""
+    return StoredRows(weight, _FORMAT_OF[kind], in_features).dequantize()

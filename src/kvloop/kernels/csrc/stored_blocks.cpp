@@ -1,0 +1,334 @@
+// GGUF's block formats read as the file stores them: Q4_K, Q5_K, Q6_K (256 weights a block,
+// the formats of Q4_K_M files) and Q5_0, Q5_1 (32 a block). A row of such a layer is its
+// blocks back to back, so a decode step reads 4.5 (Q4_K) to 6.6 (Q6_K) bits a weight,
+// where the same weights as Q8B (int8 codes plus group scales, exact too) cost 8.5 to 10.
+//
+// Every format is the same thing underneath: per group of 32 weights (16 for Q6_K's
+// scales), unsigned codes u and w = s * u + mn in fp32 (s * u exact: see
+// kvloop.quant.stored), so one kernel serves them all; only how the codes and factors come
+// out of a block differs (for_each_group, block_factors). Against int8 activations (one
+// scale d per 32 values, A.s = d * sum(q)):
+//   sum_k w_k x_k = sum_g (s_g d_g) u_g . q_g + mn_g A.s_g
+// with the u . q dot products on AVX2's u8 x s8 multiply-add or VNNI's vpdpbusd, as the
+// other int8 kernels (linear.cpp). Q6_K's codes are signed (u - 32, per 16 weights), and
+// take linear.cpp's Q8B sign trick instead of a min term per 16.
+
+#include "kvloop.h"
+
+#include <cstring>
+
+#include "simd.h"
+
+namespace kvloop {
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int kCols = 4;  // activation rows sharing one pass over a weight row (linear.cpp)
+
+#if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KVLOOP_VNNI 1
+#endif
+
+// Weights per block, bytes per block, weights per scale.
+template <WeightKind K> struct Traits;
+template <> struct Traits<WeightKind::Q4_K> { static constexpr int64_t QK = 256, BYTES = 144, SUB = 32; };
+template <> struct Traits<WeightKind::Q5_K> { static constexpr int64_t QK = 256, BYTES = 176, SUB = 32; };
+template <> struct Traits<WeightKind::Q6_K> { static constexpr int64_t QK = 256, BYTES = 210, SUB = 16; };
+template <> struct Traits<WeightKind::Q5_0> { static constexpr int64_t QK = 32, BYTES = 22, SUB = 32; };
+template <> struct Traits<WeightKind::Q5_1> { static constexpr int64_t QK = 32, BYTES = 24, SUB = 32; };
+
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return half_to_float(h);
+}
+
+// Q4_K / Q5_K: 12 bytes -> 8 six-bit scales and 8 mins (sub-blocks 0-3 in the low six bits
+// of bytes 0-7; 4-7 from the nibbles of bytes 8-11 and the top two bits of bytes 0-7).
+inline void k_scales(const uint8_t* q, int* sc, int* m) {
+  for (int j = 0; j < 4; ++j) {
+    sc[j] = q[j] & 63;
+    m[j] = q[j + 4] & 63;
+  }
+  for (int j = 4; j < 8; ++j) {
+    sc[j] = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
+    m[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// One block's factors: w[k] = s[k / SUB] * u[k] + mn[k / SUB], computed as the `gguf`
+// package computes them (d * sc in fp32, then the min), so that the decoded weights are
+// its values bit for bit.
+template <WeightKind K>
+inline void block_factors(const uint8_t* b, float* s, float* mn) {
+  if constexpr (K == WeightKind::Q5_0) {
+    s[0] = f16_at(b);
+    mn[0] = -16.f * s[0];  // w = d (u - 16)
+  } else if constexpr (K == WeightKind::Q5_1) {
+    s[0] = f16_at(b);
+    mn[0] = f16_at(b + 2);
+  } else if constexpr (K == WeightKind::Q4_K || K == WeightKind::Q5_K) {
+    const float d = f16_at(b), dmin = f16_at(b + 2);
+    int sc[8], m[8];
+    k_scales(b + 4, sc, m);
+    for (int j = 0; j < 8; ++j) {
+      s[j] = d * static_cast<float>(sc[j]);
+      mn[j] = -(dmin * static_cast<float>(m[j]));
+    }
+  } else {  // Q6_K: w = d * sc (u - 32), 16 int8 scales
+    const float d = f16_at(b + 208);
+    for (int i = 0; i < 16; ++i) {
+      s[i] = d * static_cast<float>(static_cast<int8_t>(b[192 + i]));
+      mn[i] = -32.f * s[i];
+    }
+  }
+}
+
+// One block's unsigned codes in element order (u[QK]), for the scalar kernel and decode.
+template <WeightKind K>
+inline void unpack_codes(const uint8_t* b, uint8_t* u) {
+  if constexpr (K == WeightKind::Q5_0 || K == WeightKind::Q5_1) {
+    const int64_t head = K == WeightKind::Q5_0 ? 2 : 4;
+    uint32_t qh;
+    std::memcpy(&qh, b + head, 4);
+    const uint8_t* qs = b + head + 4;  // element j low nibble, element 16 + j high
+    for (int j = 0; j < 16; ++j) {
+      u[j] = (qs[j] & 0x0F) | (((qh >> j) & 1) << 4);
+      u[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+    }
+  } else if constexpr (K == WeightKind::Q4_K || K == WeightKind::Q5_K) {
+    // 32 bytes per 64 weights: low nibbles the first 32, high nibbles the next; Q5_K's
+    // fifth bit of element l of group g is bit g of qh[l].
+    const uint8_t* qh = b + 16;
+    const uint8_t* qs = b + (K == WeightKind::Q4_K ? 16 : 48);
+    for (int c = 0; c < 4; ++c)
+      for (int l = 0; l < 32; ++l) {
+        int lo = qs[32 * c + l] & 0x0F, hi = qs[32 * c + l] >> 4;
+        if constexpr (K == WeightKind::Q5_K) {
+          lo |= ((qh[l] >> (2 * c)) & 1) << 4;
+          hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
+        }
+        u[64 * c + l] = static_cast<uint8_t>(lo);
+        u[64 * c + 32 + l] = static_cast<uint8_t>(hi);
+      }
+  } else {  // Q6_K: two halves of 128: low nibbles of ql, two high bits from qh
+    const uint8_t* ql = b;
+    const uint8_t* qh = b + 128;
+    for (int h = 0; h < 2; ++h)
+      for (int l = 0; l < 32; ++l) {
+        const uint8_t* L = ql + 64 * h;
+        const int H = qh[32 * h + l];
+        uint8_t* o = u + 128 * h;
+        o[l] = static_cast<uint8_t>((L[l] & 0x0F) | ((H & 3) << 4));
+        o[32 + l] = static_cast<uint8_t>((L[32 + l] & 0x0F) | (((H >> 2) & 3) << 4));
+        o[64 + l] = static_cast<uint8_t>((L[l] >> 4) | (((H >> 4) & 3) << 4));
+        o[96 + l] = static_cast<uint8_t>((L[32 + l] >> 4) | (((H >> 6) & 3) << 4));
+      }
+  }
+}
+
+#ifdef __AVX2__
+// 0x10 in byte j where bit j of `bits` is set (Q5_0 / Q5_1's fifth bits).
+inline __m256i fifth_bits(uint32_t bits) {
+  const __m256i which = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
+                                           0x0303030303030303);  // byte j <- byte j / 8
+  const __m256i mask = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), which);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, mask), mask),
+                          _mm256_set1_epi8(0x10));
+}
+
+// Bit j of every byte of qh moved to bit 4 (0x10 or 0): Q5_K's fifth bits of group j.
+// (16-bit shifts: bit 4 of either byte of a word comes from the same byte for j in 0..7.)
+inline __m256i bit_to_16(__m256i qh, int j) {
+  const __m256i v = j <= 4 ? _mm256_slli_epi16(qh, 4 - j) : _mm256_srli_epi16(qh, j - 4);
+  return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+}
+
+// f(g, u) for each group g of 32 weights of the block, u its 32 unsigned codes in element
+// order: the only format-specific part of the vector kernel.
+template <WeightKind K, typename F>
+inline void for_each_group(const uint8_t* b, F&& f) {
+  const __m256i nib = _mm256_set1_epi8(0x0F);
+  if constexpr (K == WeightKind::Q5_0 || K == WeightKind::Q5_1) {
+    const int64_t head = K == WeightKind::Q5_0 ? 2 : 4;
+    uint32_t qh;
+    std::memcpy(&qh, b + head, 4);
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + head + 4));
+    const __m128i m = _mm_set1_epi8(0x0F);
+    const __m256i lohi = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m),
+                                          _mm_and_si128(raw, m));
+    f(0, _mm256_or_si256(lohi, fifth_bits(qh)));
+  } else if constexpr (K == WeightKind::Q4_K || K == WeightKind::Q5_K) {
+    const uint8_t* qs = b + (K == WeightKind::Q4_K ? 16 : 48);
+    __m256i qh = _mm256_setzero_si256();
+    if constexpr (K == WeightKind::Q5_K)
+      qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
+    for (int c = 0; c < 4; ++c) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
+      __m256i lo = _mm256_and_si256(raw, nib);
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+      if constexpr (K == WeightKind::Q5_K) {
+        lo = _mm256_or_si256(lo, bit_to_16(qh, 2 * c));
+        hi = _mm256_or_si256(hi, bit_to_16(qh, 2 * c + 1));
+      }
+      f(2 * c, lo);
+      f(2 * c + 1, hi);
+    }
+  } else {  // Q6_K
+    const __m256i two = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* L = b + 64 * h;
+      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(L));
+      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(L + 32));
+      const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+      f(4 * h, _mm256_or_si256(_mm256_and_si256(l0, nib),
+                               _mm256_and_si256(_mm256_slli_epi16(H, 4), two)));
+      f(4 * h + 1, _mm256_or_si256(_mm256_and_si256(l1, nib),
+                                   _mm256_and_si256(_mm256_slli_epi16(H, 2), two)));
+      f(4 * h + 2, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), nib),
+                                   _mm256_and_si256(H, two)));
+      f(4 * h + 3, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nib),
+                                   _mm256_and_si256(_mm256_srli_epi16(H, 2), two)));
+    }
+  }
+}
+
+// u8 x s8 dot products of 32 bytes: 8 int32 lanes, lane i the sum over bytes 4i..4i+3.
+inline __m256i dot_us(__m256i u, __m256i x) {
+#ifdef KVLOOP_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+#endif
+}
+#endif
+
+// Weight row n against activation rows m0..m0+C.
+template <int C, WeightKind K>
+void row_stored(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, int64_t m0,
+                float* Y) {
+  using T = Traits<K>;
+  constexpr int64_t G = T::QK / kGroup, S = T::QK / T::SUB;
+  constexpr bool kSigned = K == WeightKind::Q6_K;  // signed codes, no min term
+  const int64_t Kd = A.K, nb = Kd / kGroup, blocks = Kd / T::QK;
+  const uint8_t* row = W + n * blocks * T::BYTES;
+  float out[C];
+  for (int c = 0; c < C; ++c) out[c] = 0.f;
+#ifdef __AVX2__
+  // Two accumulators per activation row (even and odd groups) keep FMA chains in flight.
+  __m256 acc[2][C];
+  for (int c = 0; c < C; ++c) acc[0][c] = acc[1][c] = _mm256_setzero_ps();
+#endif
+  for (int64_t bi = 0; bi < blocks; ++bi) {
+    const uint8_t* b = row + bi * T::BYTES;
+    const int64_t g0 = bi * G;  // the block's first group of 32 along the row
+    float s[S], mn[S];
+    block_factors<K>(b, s, mn);
+    if constexpr (!kSigned)
+      for (int c = 0; c < C; ++c)
+        for (int64_t g = 0; g < G; ++g) out[c] += mn[g] * A.s[(m0 + c) * nb + g0 + g];
+#ifdef __AVX2__
+    for_each_group<K>(b, [&](int64_t g, __m256i u) {
+      __m256i w = u, aw = u;
+      if constexpr (kSigned) {
+        w = _mm256_sub_epi8(u, _mm256_set1_epi8(32));
+        aw = _mm256_sign_epi8(w, w);  // |w| as u8; w's sign moves onto x
+      }
+      __m256* a = acc[(g0 + g) & 1];
+      for (int c = 0; c < C; ++c) {
+        __m256i x = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(A.q.data() + (m0 + c) * Kd + (g0 + g) * kGroup));
+        if constexpr (kSigned) x = _mm256_sign_epi8(x, w);
+        const float dx = A.d[(m0 + c) * nb + g0 + g];
+        // Lanes 0-3 hold the first 16 weights' sums, 4-7 the last 16's.
+        const __m256 f = T::SUB == kGroup
+                             ? _mm256_set1_ps(s[g] * dx)
+                             : _mm256_mul_ps(pair_factors(&s[2 * g]), _mm256_set1_ps(dx));
+        a[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us(aw, x)), f, a[c]);
+      }
+    });
+#else
+    uint8_t u[T::QK];
+    unpack_codes<K>(b, u);
+    for (int c = 0; c < C; ++c)
+      for (int64_t i = 0; i < S; ++i) {  // per scale: SUB weights
+        const int8_t* x = A.q.data() + (m0 + c) * Kd + g0 * kGroup + i * T::SUB;
+        int32_t dot = 0;
+        for (int64_t j = 0; j < T::SUB; ++j)
+          dot += (int32_t(u[i * T::SUB + j]) - (kSigned ? 32 : 0)) * int32_t(x[j]);
+        out[c] += float(dot) * s[i] * A.d[(m0 + c) * nb + g0 + i * T::SUB / kGroup];
+      }
+#endif
+  }
+#ifdef __AVX2__
+  for (int c = 0; c < C; ++c) out[c] += hsum(_mm256_add_ps(acc[0][c], acc[1][c]));
+#endif
+  for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c];
+}
+
+template <WeightKind K>
+void rows_t(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m1, int64_t n,
+            float* y) {
+  const uint8_t* W = L.weight.data_ptr<uint8_t>();
+  int64_t m = m0;
+  for (; m + kCols <= m1; m += kCols) row_stored<kCols, K>(W, A, L.out_features, n, m, y);
+  for (; m < m1; ++m) row_stored<1, K>(W, A, L.out_features, n, m, y);
+}
+
+template <WeightKind K>
+void decode_t(const QLinear& L, int64_t n, float* out) {
+  using T = Traits<K>;
+  const int64_t blocks = L.in_features / T::QK;
+  const uint8_t* row = L.weight.data_ptr<uint8_t>() + n * blocks * T::BYTES;
+  float s[T::QK / T::SUB], mn[T::QK / T::SUB];
+  uint8_t u[T::QK];
+  for (int64_t bi = 0; bi < blocks; ++bi) {
+    block_factors<K>(row + bi * T::BYTES, s, mn);
+    unpack_codes<K>(row + bi * T::BYTES, u);
+    float* o = out + bi * T::QK;
+    // s * u is exact in fp32, so a contracted fma rounds once, as the sum does.
+    for (int64_t k = 0; k < T::QK; ++k)
+      o[k] = s[k / T::SUB] * static_cast<float>(u[k]) + mn[k / T::SUB];
+  }
+}
+
+// `case` labels for each stored kind, running CALL(kind) (a compile-time argument).
+#define KVLOOP_STORED_KINDS(CALL)                     \
+  case WeightKind::Q4_K: CALL(WeightKind::Q4_K); break; \
+  case WeightKind::Q5_K: CALL(WeightKind::Q5_K); break; \
+  case WeightKind::Q6_K: CALL(WeightKind::Q6_K); break; \
+  case WeightKind::Q5_0: CALL(WeightKind::Q5_0); break; \
+  case WeightKind::Q5_1: CALL(WeightKind::Q5_1); break; \
+  default: TORCH_CHECK(false, "not a stored block kind: ", static_cast<int64_t>(kind));
+
+}  // namespace
+
+bool is_stored(WeightKind kind) {
+  return kind >= WeightKind::Q4_K && kind <= WeightKind::Q5_1;
+}
+
+int64_t stored_row_bytes(WeightKind kind, int64_t K) {
+  int64_t bytes = 0;
+#define ROW_BYTES(F) bytes = K % Traits<F>::QK == 0 ? K / Traits<F>::QK * Traits<F>::BYTES : 0
+  switch (kind) { KVLOOP_STORED_KINDS(ROW_BYTES) }
+#undef ROW_BYTES
+  return bytes;
+}
+
+void stored_rows(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m1, int64_t n,
+                 float* y) {
+  const WeightKind kind = L.kind;
+#define ROWS(F) rows_t<F>(L, A, m0, m1, n, y)
+  switch (kind) { KVLOOP_STORED_KINDS(ROWS) }
+#undef ROWS
+}
+
+void stored_decode_row(const QLinear& L, int64_t n, float* out) {
+  const WeightKind kind = L.kind;
+#define DECODE(F) decode_t<F>(L, n, out)
+  switch (kind) { KVLOOP_STORED_KINDS(DECODE) }
+#undef DECODE
+}
+
+}  // namespace kvloop
