@@ -780,11 +780,12 @@ void decode_row(const QLinear& L, int64_t n, T* out) {
   if (is_stored(L.kind)) {
     if constexpr (std::is_same_v<T, float>) {
       stored_decode_row(L, n, out);
-    } else {
+    } else {  // fp32 first (exact), then rounded as every layout's bf16 rows are
       thread_local std::vector<float> row;
       row.resize(K);
-      stored_decode_row(L, n, row.data());
-      for (int64_t k = 0; k < K; ++k) store(out + k, row[k]);
+      float* r = row.data();
+      stored_decode_row(L, n, r);
+      for (int64_t k = 0; k < K; ++k) store(out + k, r[k]);
     }
     return;
   }

@@ -235,7 +235,10 @@ void row_stored(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, 
         w = _mm256_sub_epi8(u, _mm256_set1_epi8(32));
         aw = _mm256_sign_epi8(w, w);  // |w| as u8; w's sign moves onto x
       }
-      __m256* a = acc[(g0 + g) & 1];
+      // g's parity is known where for_each_group calls this (g0 is a multiple of G, even
+      // for the K-quants; Q5_0 / Q5_1 have one group a block): the accumulators stay in
+      // registers, which an index known only at run time would not let them.
+      __m256* a = acc[g & 1];
       for (int c = 0; c < C; ++c) {
         __m256i x = _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(A.q.data() + (m0 + c) * Kd + (g0 + g) * kGroup));
@@ -282,14 +285,30 @@ void decode_t(const QLinear& L, int64_t n, float* out) {
   const int64_t blocks = L.in_features / T::QK;
   const uint8_t* row = L.weight.data_ptr<uint8_t>() + n * blocks * T::BYTES;
   float s[T::QK / T::SUB], mn[T::QK / T::SUB];
-  uint8_t u[T::QK];
   for (int64_t bi = 0; bi < blocks; ++bi) {
-    block_factors<K>(row + bi * T::BYTES, s, mn);
-    unpack_codes<K>(row + bi * T::BYTES, u);
+    const uint8_t* b = row + bi * T::BYTES;
+    block_factors<K>(b, s, mn);
     float* o = out + bi * T::QK;
-    // s * u is exact in fp32, so a contracted fma rounds once, as the sum does.
+    // s * u is exact in fp32, so the fused multiply-add rounds once, as the sum does.
+#ifdef __AVX2__
+    // The codes as the kernel unpacks them, 8 at a time to fp32: a batched step decodes
+    // every weight of the layer (prefill, large decode batches), so this runs at GEMM rates.
+    for_each_group<K>(b, [&](int64_t g, __m256i u) {
+      for (int j = 0; j < 4; ++j) {
+        const int64_t sub = (g * kGroup + 8 * j) / T::SUB;
+        const __m128i u8 = j < 2 ? _mm256_castsi256_si128(u) : _mm256_extracti128_si256(u, 1);
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+            j % 2 == 0 ? u8 : _mm_srli_si128(u8, 8)));
+        _mm256_storeu_ps(o + g * kGroup + 8 * j,
+                         _mm256_fmadd_ps(f, _mm256_set1_ps(s[sub]), _mm256_set1_ps(mn[sub])));
+      }
+    });
+#else
+    uint8_t u[T::QK];
+    unpack_codes<K>(b, u);
     for (int64_t k = 0; k < T::QK; ++k)
       o[k] = s[k / T::SUB] * static_cast<float>(u[k]) + mn[k / T::SUB];
+#endif
   }
 }
 
