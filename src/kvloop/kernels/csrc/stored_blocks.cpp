@@ -194,6 +194,27 @@ inline void for_each_group(const uint8_t* b, F&& f) {
   }
 }
 
+// Q4_K / Q5_K: block_factors' 8 scales and 8 mins as vectors (lane j: group j), the
+// 6-bit fields unpacked four at a time in 32-bit words (k_scales' arithmetic, per byte):
+// a fifth of the scalar unpacking's instructions, which cost as much as the dot products.
+inline void k_factors(const uint8_t* b, __m256& s, __m256& mn) {
+  uint32_t a, m, c;  // bytes 0-3, 4-7 and 8-11 of the packed fields
+  std::memcpy(&a, b + 4, 4);
+  std::memcpy(&m, b + 8, 4);
+  std::memcpy(&c, b + 12, 4);
+  const uint64_t sc = (uint64_t{(c & 0x0F0F0F0F) | ((a >> 2) & 0x30303030)} << 32) |
+                      (a & 0x3F3F3F3F);
+  const uint64_t mins = (uint64_t{((c >> 4) & 0x0F0F0F0F) | ((m >> 2) & 0x30303030)} << 32) |
+                        (m & 0x3F3F3F3F);
+  auto widen = [](uint64_t v) {
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(v))));
+  };
+  s = _mm256_mul_ps(_mm256_set1_ps(f16_at(b)), widen(sc));
+  mn = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(f16_at(b + 2)), widen(mins)),
+                     _mm256_set1_ps(-0.f));  // -(dmin * m), exactly as block_factors
+}
+
 // u8 x s8 dot products of 32 bytes: 8 int32 lanes, lane i the sum over bytes 4i..4i+3.
 inline __m256i dot_us(__m256i u, __m256i x) {
 #ifdef KVLOOP_VNNI
@@ -217,18 +238,45 @@ void row_stored(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, 
   for (int c = 0; c < C; ++c) out[c] = 0.f;
 #ifdef __AVX2__
   // Two accumulators per activation row (even and odd groups) keep FMA chains in flight.
-  __m256 acc[2][C];
-  for (int c = 0; c < C; ++c) acc[0][c] = acc[1][c] = _mm256_setzero_ps();
+  __m256 acc[2][C], zp[C];  // zp: the min terms, Q4_K / Q5_K
+  for (int c = 0; c < C; ++c) acc[0][c] = acc[1][c] = zp[c] = _mm256_setzero_ps();
 #endif
   for (int64_t bi = 0; bi < blocks; ++bi) {
     const uint8_t* b = row + bi * T::BYTES;
     const int64_t g0 = bi * G;  // the block's first group of 32 along the row
     float s[S], mn[S];
-    block_factors<K>(b, s, mn);
-    if constexpr (!kSigned)
+#ifdef __AVX2__
+    constexpr bool kVec = K == WeightKind::Q4_K || K == WeightKind::Q5_K;
+    constexpr bool kVec16 = K == WeightKind::Q6_K;
+    __m256 fac[C];  // kVec: per activation row, lane g: group g's scale x activation scale
+    __m256 fac16[2][C];  // kVec16: lanes 2g', 2g' + 1: group 4h + g''s two half factors
+    if constexpr (kVec16) {
+      // 16 int8 scales times d, as block_factors: two vectors of 8 (groups 0-3, 4-7).
+      const __m256 d = _mm256_set1_ps(f16_at(b + 208));
+      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+      const __m256 s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+      const __m256 s1 = _mm256_mul_ps(
+          d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+      for (int c = 0; c < C; ++c) {
+        const __m256 dx = _mm256_loadu_ps(A.d.data() + (m0 + c) * nb + g0);
+        const __m256i lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+        const __m256i hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+        fac16[0][c] = _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(dx, lo));
+        fac16[1][c] = _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(dx, hi));
+      }
+    } else if constexpr (kVec) {
+      __m256 sv, mv;
+      k_factors(b, sv, mv);
+      for (int c = 0; c < C; ++c) {
+        const int64_t o = (m0 + c) * nb + g0;
+        fac[c] = _mm256_mul_ps(sv, _mm256_loadu_ps(A.d.data() + o));
+        zp[c] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(A.s.data() + o), zp[c]);
+      }
+    } else {
+      block_factors<K>(b, s, mn);
       for (int c = 0; c < C; ++c)
         for (int64_t g = 0; g < G; ++g) out[c] += mn[g] * A.s[(m0 + c) * nb + g0 + g];
-#ifdef __AVX2__
+    }
     for_each_group<K>(b, [&](int64_t g, __m256i u) {
       __m256i w = u, aw = u;
       if constexpr (kSigned) {
@@ -243,15 +291,27 @@ void row_stored(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, 
         __m256i x = _mm256_loadu_si256(
             reinterpret_cast<const __m256i*>(A.q.data() + (m0 + c) * Kd + (g0 + g) * kGroup));
         if constexpr (kSigned) x = _mm256_sign_epi8(x, w);
-        const float dx = A.d[(m0 + c) * nb + g0 + g];
-        // Lanes 0-3 hold the first 16 weights' sums, 4-7 the last 16's.
-        const __m256 f = T::SUB == kGroup
-                             ? _mm256_set1_ps(s[g] * dx)
-                             : _mm256_mul_ps(pair_factors(&s[2 * g]), _mm256_set1_ps(dx));
+        __m256 f;
+        if constexpr (kVec) {
+          f = _mm256_permutevar8x32_ps(fac[c], _mm256_set1_epi32(static_cast<int>(g)));
+        } else if constexpr (kVec16) {
+          const int j = 2 * static_cast<int>(g % 4);
+          f = _mm256_permutevar8x32_ps(fac16[g / 4][c],
+                                       _mm256_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1));
+        } else if constexpr (T::SUB == kGroup) {
+          f = _mm256_set1_ps(s[g] * A.d[(m0 + c) * nb + g0 + g]);
+        } else {  // lanes 0-3 hold the first 16 weights' sums, 4-7 the last 16's
+          f = _mm256_mul_ps(pair_factors(&s[2 * g]),
+                            _mm256_set1_ps(A.d[(m0 + c) * nb + g0 + g]));
+        }
         a[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us(aw, x)), f, a[c]);
       }
     });
 #else
+    block_factors<K>(b, s, mn);
+    if constexpr (!kSigned)
+      for (int c = 0; c < C; ++c)
+        for (int64_t g = 0; g < G; ++g) out[c] += mn[g] * A.s[(m0 + c) * nb + g0 + g];
     uint8_t u[T::QK];
     unpack_codes<K>(b, u);
     for (int c = 0; c < C; ++c)
@@ -265,7 +325,8 @@ void row_stored(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, 
 #endif
   }
 #ifdef __AVX2__
-  for (int c = 0; c < C; ++c) out[c] += hsum(_mm256_add_ps(acc[0][c], acc[1][c]));
+  for (int c = 0; c < C; ++c)
+    out[c] += hsum(_mm256_add_ps(_mm256_add_ps(acc[0][c], acc[1][c]), zp[c]));
 #endif
   for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c];
 }
