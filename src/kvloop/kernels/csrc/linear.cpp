@@ -50,22 +50,11 @@ constexpr int kTileRows = 4, kTileCols = 3;
 constexpr int64_t kQ4Block = 20;  // bytes per group: fp16 scale, fp16 min, 16 bytes of codes
 constexpr int64_t kQ4FBlock = 24;  // Q4F: fp32 scale, fp32 min, 16 bytes of codes
 
-#if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define KVLOOP_VNNI 1
-#endif
 
 #ifdef __AVX2__
 // int8 x int8 dot products: vpmaddubsw wants u8 x s8, so w's sign moves onto x (|w| as u8
 // <= 128, |x| <= 127: a pair sums to at most 32512, no saturation) - see row_q8.
 
-// Same for 4-bit codes in [0, 15] (already unsigned).
-inline __m256i dot_u4(__m256i q, __m256i x) {
-#ifdef KVLOOP_VNNI
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, x);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(q, x), _mm256_set1_epi16(1));
-#endif
-}
 
 // 16 bytes of one group -> its 32 codes in element order.
 inline __m256i unpack_q4(const uint8_t* p) {
@@ -306,7 +295,7 @@ void row_q4(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, int6
     for (int c = 0; c < C; ++c) {
       const __m256i xv = _mm256_loadu_si256(
           reinterpret_cast<const __m256i*>(A.qp.data() + (m0 + c) * K + b * kGroup));
-      acc1[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u4(q, xv)),
+      acc1[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q, xv)),
                                 _mm256_broadcast_ss(&sx[c][b]), acc1[c]);
     }
   }

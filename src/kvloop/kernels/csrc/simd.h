@@ -19,7 +19,22 @@ inline float half_to_float(uint16_t h) {
 #endif
 }
 
+#if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KVLOOP_VNNI 1  // vpdpbusd on 256-bit registers
+#endif
+
 #ifdef __AVX2__
+// u8 x s8 dot products of 32 bytes: 8 int32 lanes, lane i the sum over bytes 4i..4i+3
+// (u's values small enough that AVX2's pairwise int16 sums cannot saturate: 4- to 6-bit
+// codes, or |w| <= 128 against |x| <= 127).
+inline __m256i dot_u8s8(__m256i u, __m256i x) {
+#ifdef KVLOOP_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+#endif
+}
+
 // Sum of the 8 lanes.
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

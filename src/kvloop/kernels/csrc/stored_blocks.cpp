@@ -25,10 +25,6 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int kCols = 4;  // activation rows sharing one pass over a weight row (linear.cpp)
 
-#if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define KVLOOP_VNNI 1
-#endif
-
 // Weights per block, bytes per block, weights per scale.
 template <WeightKind K> struct Traits;
 template <> struct Traits<WeightKind::Q4_K> { static constexpr int64_t QK = 256, BYTES = 144, SUB = 32; };
@@ -215,14 +211,6 @@ inline void k_factors(const uint8_t* b, __m256& s, __m256& mn) {
                      _mm256_set1_ps(-0.f));  // -(dmin * m), exactly as block_factors
 }
 
-// u8 x s8 dot products of 32 bytes: 8 int32 lanes, lane i the sum over bytes 4i..4i+3.
-inline __m256i dot_us(__m256i u, __m256i x) {
-#ifdef KVLOOP_VNNI
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
-#endif
-}
 #endif
 
 // Weight row n against activation rows m0..m0+C.
@@ -304,7 +292,7 @@ void row_stored(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, 
           f = _mm256_mul_ps(pair_factors(&s[2 * g]),
                             _mm256_set1_ps(A.d[(m0 + c) * nb + g0 + g]));
         }
-        a[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_us(aw, x)), f, a[c]);
+        a[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(aw, x)), f, a[c]);
       }
     });
 #else
