@@ -619,8 +619,10 @@ def test_overload_is_429_with_retry_after(tiny_model_dir: Path) -> None:
                     async for line in lines:
                         if line.startswith("data: {"):
                             break
-                    b = asyncio.create_task(ac.post("/v1/completions",
-                                                    json={"prompt": "hi", "max_tokens": 3}))
+                    # ignore_eos: B's length must not hang on what the random model says
+                    # (its greedy tokens depend on the batch it shares; one run ended at EOS).
+                    b = asyncio.create_task(ac.post("/v1/completions", json={
+                        "prompt": "hi", "max_tokens": 3, "ignore_eos": True}))
                     deadline = time.monotonic() + 10
                     while metric(c, "kvloop_num_requests_waiting") < 1:
                         assert time.monotonic() < deadline, "B never waited"
