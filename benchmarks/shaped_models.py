@@ -31,6 +31,7 @@ import math
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -324,6 +325,17 @@ def quantize(src: Path, dst: Path, qtype: str, nthread: int = 2) -> None:
     tmp.replace(dst)
 
 
+def make(path: Path, kept: bool, verb: str, write: Callable[[], None]) -> None:
+    """Write `path` unless `kept`, saying which and how long it took."""
+    if kept:
+        print(f"  {path}: exists with this shape, kept", flush=True)
+        return
+    t0 = time.perf_counter()
+    write()
+    print(f"  {path}: {verb} in {time.perf_counter() - t0:.1f} s "
+          f"({path.stat().st_size / 2**20:.0f} MiB)", flush=True)
+
+
 def build(s: Shape, out: Path, gemma_file: Path, quants: tuple[str, ...]) -> list[Path]:
     """Write (or keep) the F16 file and its quantized copies; returns the quantized paths
     (the F16 path when `quants` is empty)."""
@@ -335,23 +347,12 @@ def build(s: Shape, out: Path, gemma_file: Path, quants: tuple[str, ...]) -> lis
     f16 = out / f"{s.name}-f16.gguf"
     print(f"{s.name}: {s.source}; tokenizer copied from {tok_file.name} "
           f"(padded to {s.vocab} tokens where it has fewer)", flush=True)
-    if read_record(f16) == want:
-        print(f"  {f16}: exists with this shape, kept", flush=True)
-    else:
-        t0 = time.perf_counter()
-        write_f16(s, f16, tok_file)
-        print(f"  {f16}: written in {time.perf_counter() - t0:.1f} s "
-              f"({f16.stat().st_size / 2**20:.0f} MiB)", flush=True)
+    make(f16, read_record(f16) == want, "written", lambda: write_f16(s, f16, tok_file))
     paths = []
     for q in quants:
         dst = out / f"{s.name}-{q.lower()}.gguf"
-        if read_record(dst) == want and dst.stat().st_mtime >= f16.stat().st_mtime:
-            print(f"  {dst}: exists with this shape, kept", flush=True)
-        else:
-            t0 = time.perf_counter()
-            quantize(f16, dst, q)
-            print(f"  {dst}: quantized in {time.perf_counter() - t0:.1f} s "
-                  f"({dst.stat().st_size / 2**20:.0f} MiB)", flush=True)
+        kept = read_record(dst) == want and dst.stat().st_mtime >= f16.stat().st_mtime
+        make(dst, kept, "quantized", lambda dst=dst, q=q: quantize(f16, dst, q))
         paths.append(dst)
     return paths or [f16]
 

@@ -108,10 +108,11 @@ def use_stored_int4(model: CausalLM, source: Mapping[str, Int4Weights]) -> set[s
 def use_stored_blocks(model: CausalLM, source: Mapping[str, Weights]) -> set[str]:
     """Every linear layer whose checkpoint tensors are all in a block format becomes a
     BlockLinear over those blocks; the head too (for tied embeddings: the embedding
-    table's blocks). Fused layers (q/k/v, gate/up) whose parts differ in format are put
-    in one layout that holds every part exactly (kvloop.quant.stored.cat: Q5_0 and Q8_0
-    parts, for instance, are both 8-bit codes with fp16 scales per 32); where none can,
-    or where a part is stored dense (F32/F16/BF16), the layer stays fp32. The head keeps
+    table's blocks). Fused layers (q/k/v, gate/up) whose parts differ in format become a
+    StackedLinear of the parts, each in its own layout, where some part is read as
+    stored (kvloop.quant.stored.cat: q/k Q4_K with v Q6_K, q/k Q5_0 with v Q8_0), else
+    one layout that holds every part exactly (GroupWeights.cat); where none can, or where
+    a part is stored dense (F32/F16/BF16), the layer stays fp32. The head keeps
     fp32 activations (see _attach_native), which the kernels take only with 8-bit codes:
     a head stored as K-quant blocks is held as codes and scales. Returns the tensor names
     it took (the embedding's not among them: the lookup still reads it), so that it can

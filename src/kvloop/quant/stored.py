@@ -7,8 +7,8 @@
   computed exactly as the `gguf` package's dequantization computes them, so that scale *
   code + min in fp32 equals its weights bit for bit (tests/test_block_formats.py holds them
   to it). Every format has this form; the kernels' Q4 and Q8B layouts hold it (Q8_0 and
-  Q4_0 / Q4_1 take no more bytes there than stored), and a fused layer whose parts differ
-  in format is put in one of them.
+  Q4_0 / Q4_1 take no more bytes there than stored). A fused layer whose parts differ in
+  format keeps each part's own form (`cat`).
 
 Per format (w as gguf.quants computes it; why scale * code is exact in fp32):
   Q8_0  32 weights: d (fp16), 32 int8 q            w = d * q               11 + 8 bits
