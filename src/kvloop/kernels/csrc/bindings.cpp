@@ -54,7 +54,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("scales") = py::none(), py::arg("bias") = py::none(),
            py::arg("float_acts") = false)
       .def_static("stack", &QLinear::stack, py::arg("parts"))
-      .def_property_readonly("kind", [](const QLinear& l) { return static_cast<int64_t>(l.kind); })
       .def_readonly("float_acts", &QLinear::float_acts)
       .def("set_batched_decode", &QLinear::set_batched_decode, py::arg("min_rows"),
            py::arg("bf16") = true)

@@ -104,8 +104,8 @@ constexpr int64_t kNumWeightKinds = 10;  // the layouts a QLinear is constructed
 //        in fp32, not in fp16).
 //   Q8B: weight int8 [N, K] codes; scales fp16 or fp32, [N, K / G] with G = 16 or 32
 //        (w = scale * q), or [N, 2, K / 32]: each row's scales then its mins (w = scale *
-//        q + min). GGUF's Q8_0 blocks map onto it exactly, and every block format when
-//        a fused layer's parts differ.
+//        q + min). GGUF's Q8_0 blocks map onto it exactly, as do the other formats'
+//        codes (a tied head, or a fused layer of parts none of which is read as stored).
 //   Q4_K, Q5_K, Q6_K, Q5_0, Q5_1: uint8 [N, K / QK * block bytes], each row GGUF's blocks
 //        of that format exactly as the file stores them (see stored_blocks.cpp): decode
 //        reads 4.5 to 6.6 bits a weight, not the 8 + scales of Q8B.
