@@ -100,7 +100,7 @@ def main() -> None:
         "weights: activations and outputs rounded to bf16; this is also the path of decode "
         "batches of 16+ sequences) and one decode step per position through the native "
         "decoder (quantized layers round activations to int8 per block of 32, as llama.cpp "
-        "does; the head keeps fp32 activations), the path of batch-1 generation.",
+        "does; the head takes int16 activations), the path of batch-1 generation.",
         "",
         "| weights | MB read per decode step | perplexity, prefill path | perplexity, decode "
         "path | mean abs logit error, prefill / decode path "

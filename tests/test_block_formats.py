@@ -178,7 +178,7 @@ def test_fused_parts_of_different_formats() -> None:
 @pytest.mark.parametrize("kind", BLOCK_TYPES, ids=lambda k: k.name)
 def test_kernel_matches_reference_matmul(kind: T) -> None:
     """The kernel = the exactly dequantized weights x its own int8 activations (fp64
-    reference), within fp32 summation-order error; 8-bit layouts with fp32 activations
+    reference), within fp32 summation-order error; 8-bit layouts with int16 activations
     too (the head's mode)."""
     require_native_kernels()
     rows, cols = 40, 768
@@ -187,17 +187,17 @@ def test_kernel_matches_reference_matmul(kind: T) -> None:
     k, w, K, sc, bias = lin.native_spec()
     g = torch.Generator().manual_seed(0)
     for fa in ((False, True) if k == Q8B else (False,)):
-        nl = native_linear(k, w, K, sc, bias, float_acts=fa)
+        nl = native_linear(k, w, K, sc, bias, wide_acts=fa)
         for M in (1, 3, 6, 37, 70):
             x = torch.randn(M, K, generator=g)
-            ref = linear_reference(x, k, w, K, sc, bias, float_acts=fa)
+            ref = linear_reference(x, k, w, K, sc, bias, wide_acts=fa)
             torch.testing.assert_close(nl.forward(x), ref, rtol=0,
                                        atol=1e-5 * float(ref.abs().max()))
         # A plain reference with gguf's own weights: the kernel computes those weights.
         x = torch.randn(5, K, generator=g)
         dense = x.double() @ lin.dequantize().double().T + bias.double()
         err = (nl.forward(x).double() - dense).abs().max() / dense.abs().max()
-        assert err < (1e-5 if fa else 0.05)  # int8 activations: ~1% relative
+        assert err < (1e-4 if fa else 0.05)  # int16 activations / int8 (~1% relative)
 
 
 # --- the real Gemma 3 270M file ---------------------------------------------------------------

@@ -303,7 +303,7 @@ def test_other_isa_builds_match(kernel: None, isa: str) -> None:
         lin = mod.QLinear(kind, w, K, sc, None, fa)
         for M in (1, 6, 37):
             x = torch.randn(M, K, generator=g)
-            ref = linear_reference(x, kind, w, K, sc, float_acts=fa)
+            ref = linear_reference(x, kind, w, K, sc, wide_acts=fa)
             torch.testing.assert_close(lin.forward(x), ref, atol=1e-4 * float(ref.abs().max()),
                                        rtol=0)
 

@@ -234,22 +234,23 @@ def test_native_linear_matches_reference(kind: int, N: int, K: int) -> None:
 
 
 @pytest.mark.parametrize(("N", "K"), [(100, 576), (37, 64), (8, 1536)])
-def test_int8_weights_with_fp32_activations(N: int, K: int) -> None:
-    # The output head's variant: int8 weights, activations not rounded. The reference with
-    # int8-rounded activations must be measurably farther away, or the flag did nothing.
+def test_int8_weights_with_int16_activations(N: int, K: int) -> None:
+    # The output head's variant: int8 weights, activations rounded to int16 per block. The
+    # reference with int8-rounded activations must be measurably farther away, or the flag
+    # did nothing.
     g = _gen(N + 3 * K)
     w, scales = make_weight(Q8, N, K, g)
-    lin = native_linear(Q8, w, K, scales, None, float_acts=True)
-    assert lin.float_acts
+    lin = native_linear(Q8, w, K, scales, None, wide_acts=True)
+    assert lin.wide_acts
     for M in (1, 3, 4, 9, 33):
         x = torch.randn(M, K, generator=g)
         y = lin.forward(x)
-        ref = linear_reference(x, Q8, w, K, scales, float_acts=True)
+        ref = linear_reference(x, Q8, w, K, scales, wide_acts=True)
         assert_linear_close(y, ref, f"M={M}")
         rounded = linear_reference(x, Q8, w, K, scales)
         assert (y - rounded).abs().max() > 100 * (y - ref).abs().max()
     with pytest.raises(RuntimeError, match="int8-weight option"):
-        native_linear(F32, torch.randn(N, K), K, float_acts=True)
+        native_linear(F32, torch.randn(N, K), K, wide_acts=True)
 
 
 def _layouts(N: int, K: int, g: torch.Generator) -> dict[str, tuple]:
@@ -404,8 +405,8 @@ def test_bad_linear_inputs_raise() -> None:
         native_linear(4, i8, K, torch.ones(N, K // 8))
     with pytest.raises(RuntimeError, match=r"\[N, 2, K / 32\]"):
         native_linear(4, i8, K, torch.ones(N, 2, K // 16))
-    with pytest.raises(RuntimeError, match="float activations"):
-        native_linear(3, q4, K, float_acts=True)
+    with pytest.raises(RuntimeError, match="int16 activations"):
+        native_linear(3, q4, K, wide_acts=True)
     # Wrong dtype for the kind.
     with pytest.raises(RuntimeError, match="int8 weight must be"):
         native_linear(Q8, f32, K, scales)
@@ -617,7 +618,7 @@ def use_linear_reference(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
     """Every linear layer's forward becomes ``linear_reference`` over its native spec (the
     same int8 / int4 / fp32 weights the decoder reads); returns how many were replaced. A
     tied fp32 head whose dense copy was dropped keeps its module forward (F.linear math);
-    an int8 head takes fp32 activations, as the decoder's does."""
+    an int8 head takes int16 activations, as the decoder's does."""
     replaced = 0
     head = getattr(model, "lm_head", None)
     for module in model.modules():
@@ -629,11 +630,11 @@ def use_linear_reference(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
         except RuntimeError:
             continue
 
-        float_acts = module is head and spec[0] == Q8
+        wide_acts = module is head and spec[0] == Q8
 
         def forward(x: torch.Tensor, spec: tuple[Any, ...] = spec,
-                    float_acts: bool = float_acts) -> torch.Tensor:
-            return linear_reference(x, *spec, float_acts=float_acts)
+                    wide_acts: bool = wide_acts) -> torch.Tensor:
+            return linear_reference(x, *spec, wide_acts=wide_acts)
 
         monkeypatch.setattr(module, "forward", forward)
         replaced += 1
@@ -674,7 +675,9 @@ def test_native_step_logits_match_linear_reference(tiny_dir: Path, quantization:
     # such a flip <= 5e-7, never more than one flipped row per batch, and a flipped row
     # <= 2.1e-2 (one code step of a 64-wide hidden state reaches the logits almost
     # unattenuated in a 2-layer model). So: every row but one must be tight, the worst
-    # one is bounded by the flip's size. A real bug in a row shows up as O(1).
+    # one is bounded by the flip's size. A real bug in a row shows up as O(1). The head's
+    # int16 activations flip the same way, more often and 256x smaller: one step is 2^-15
+    # of the row's largest value (rows up to 1.3e-5 seen), hence "tight" = 1e-4.
     err.sort()
-    assert err[-2] <= 1e-5, err
+    assert err[-2] <= 1e-4, err
     assert err[-1] <= 5e-2, err

@@ -5,8 +5,10 @@ per output channel, 4-bit codes in groups of 32 with an fp16 (Q4) or fp32 (Q4F) 
 min each, or int8 codes with a scale per group of 16 or 32 and optionally a min (Q8B);
 see kvloop.quant.layout.
 Quantized weights take int8 activations, rounded per block of 32 values exactly as
-``quantize_acts_reference`` does; the references below compute the same sums in plain
-PyTorch and are what the kernels are tested against.
+``quantize_acts_reference`` does, or int16 ones (``wide_acts``: the output head, whose
+logits int8 rounding would move) rounded as ``quantize_acts16_reference``; the
+references below compute the same sums in plain PyTorch and are what the kernels are
+tested against.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from kvloop.quant.layout import (
 )
 
 __all__ = ["F32", "Q4", "Q4F", "Q8", "Q8B", "dequantize", "linear_reference", "native_linear",
-           "pack_q4", "pack_q4f", "quantize_acts", "quantize_acts_reference",
+           "pack_q4", "pack_q4f", "quantize_acts", "quantize_acts16_reference",
+           "quantize_acts_reference",
            "unpack_q4"]
 
 def quantize_acts_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +44,16 @@ def quantize_acts_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     d = torch.where(d >= 1e-30, d, torch.zeros_like(d))  # as the kernel: tiny blocks are 0
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     return torch.round(g * inv[..., None]).view(M, K), d
+
+
+def quantize_acts16_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's activations (``wide_acts``): x [M, K] -> (q [M, K] integer-valued fp32 in
+    [-32767, 32767], d [M, 1]): x ~= d * q, one scale per row."""
+    x = x.float()
+    d = x.abs().amax(dim=-1, keepdim=True) / 32767.0
+    d = torch.where(d >= 1e-30, d, torch.zeros_like(d))
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    return torch.round(x * inv), d
 
 
 def dequantize(kind: int, weight: torch.Tensor, in_features: int,
@@ -54,7 +67,7 @@ def dequantize(kind: int, weight: torch.Tensor, in_features: int,
 
 def linear_reference(x: torch.Tensor, kind: int, weight: torch.Tensor, in_features: int,
                      scales: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                     float_acts: bool = False, bf16: bool = False) -> torch.Tensor:
+                     wide_acts: bool = False, bf16: bool = False) -> torch.Tensor:
     """What the kernel computes, in float64 sums: [M, K] -> [M, N]. bf16: the batched path
     of a quantized layer (``set_batched_decode``): x and w rounded to bf16, the sum to
     bf16."""
@@ -64,12 +77,14 @@ def linear_reference(x: torch.Tensor, kind: int, weight: torch.Tensor, in_featur
         return (y if bias is None else y + bias.double()).float()
     if kind == F32:
         y = x.double() @ weight.double().T
-    elif float_acts:  # int8 weights, activations as they are
-        assert kind in (Q8, Q8B) and scales is not None
-        y = x.double() @ dequantize(kind, weight, in_features, scales).T
     else:
-        q, d = quantize_acts_reference(x)
-        xd = (q.view(q.shape[0], -1, GROUP) * d[..., None]).view_as(q).double()
+        if wide_acts:
+            assert kind in (Q8, Q8B) and scales is not None
+            q, d = quantize_acts16_reference(x)
+            xd = q.double() * d.double()
+        else:
+            q, d = quantize_acts_reference(x)
+            xd = (q.view(q.shape[0], -1, GROUP) * d[..., None]).view_as(q).double()
         y = xd @ dequantize(kind, weight, in_features, scales).T
     if bias is not None:
         y = y + bias.double()
@@ -78,10 +93,11 @@ def linear_reference(x: torch.Tensor, kind: int, weight: torch.Tensor, in_featur
 
 def native_linear(kind: int, weight: torch.Tensor, in_features: int,
                   scales: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                  float_acts: bool = False) -> Any:
+                  wide_acts: bool = False) -> Any:
     """A kernel-side linear layer (holds references to the tensors, no copies).
-    float_acts (int8 weights only: Q8, Q8B): fp32 activations instead of int8-rounded ones."""
-    return _ext().QLinear(kind, weight, in_features, scales, bias, float_acts)
+    wide_acts (int8 weights only: Q8, Q8B): activations rounded to int16, one scale per row
+    (2^-15 of the row's largest), instead of int8 per block of 32."""
+    return _ext().QLinear(kind, weight, in_features, scales, bias, wide_acts)
 
 
 def native_stack(parts: list[Any]) -> Any:

@@ -27,12 +27,12 @@ class _NativeLinear(Protocol):
                                    torch.Tensor | None]: ...
 
 
-def native_linear_of(module: object, float_acts: bool = False) -> Any:
+def native_linear_of(module: object, wide_acts: bool = False) -> Any:
     """The native kernel over a linear module's weights (fp32, int8, int4 or a checkpoint's
-    blocks), no copy. float_acts applies to the 8-bit kinds only."""
+    blocks), no copy. wide_acts applies to the 8-bit kinds only."""
     kind, weight, in_features, scales, bias = cast(_NativeLinear, module).native_spec()
     return native_linear(kind, weight, in_features, scales, bias,
-                         float_acts=float_acts and kind in (Q8, Q8B))
+                         wide_acts=wide_acts and kind in (Q8, Q8B))
 
 
 # The activations the native step computes (kvloop.models.base), by its codes.
@@ -72,7 +72,7 @@ def attach_native_linears(model: CausalLM) -> None:
     min_rows, bf16 = dispatch.quantized_batched_path()
     for module in model.modules():
         if isinstance(module, Int8Linear | Int4Linear | BlockLinear):
-            module.native = native_linear_of(module, float_acts=module is model.lm_head)
+            module.native = native_linear_of(module, wide_acts=module is model.lm_head)
             module.native.set_batched_decode(min_rows, bf16)
     # Stacks after their parts (modules() lists a parent first).
     for module in model.modules():
@@ -120,7 +120,7 @@ def build_native_decoder(model: CausalLM, layer_group: Sequence[int] | None = No
         return lin
 
     # A tied head whose dense copy was dropped reads the embedding table, the same matrix.
-    # An int8 head keeps fp32 activations: rounding its input to int8 moved the first
+    # An int8 head takes int16 activations: rounding its input to int8 moved the first
     # greedy token of 2 of 8 chat replies (benchmarks/quant_quality.py).
     lm_head = (native_linear(F32, model.embed_tokens.detach(), c.hidden_size)
                if head in dropped else native(head))

@@ -112,8 +112,8 @@ def use_stored_blocks(model: CausalLM, source: Mapping[str, Weights]) -> set[str
     StackedLinear of the parts, each in its own layout, where some part is read as
     stored (kvloop.quant.stored.cat: q/k Q4_K with v Q6_K, q/k Q5_0 with v Q8_0), else
     one layout that holds every part exactly (GroupWeights.cat); where none can, or where
-    a part is stored dense (F32/F16/BF16), the layer stays fp32. The head keeps
-    fp32 activations (see _attach_native), which the kernels take only with 8-bit codes:
+    a part is stored dense (F32/F16/BF16), the layer stays fp32. The head takes
+    int16 activations (see _attach_native), which the kernels take only with 8-bit codes:
     a head stored as K-quant blocks is held as codes and scales. Returns the tensor names
     it took (the embedding's not among them: the lookup still reads it), so that it can
     run before the weights are loaded and the loader skips them.
@@ -186,7 +186,7 @@ def use_stored_embedding(model: CausalLM, source: Mapping[str, Weights]) -> set[
 
 def _attach_native(layer: nn.Module, is_head: bool) -> None:
     """The layer's native kernel, when the kernels are built (the decode step re-attaches
-    them with more). The head keeps fp32 activations: int8 rounding of its input moved
+    them with more). The head takes int16 activations: int8 rounding of its input moved
     greedy tokens (kvloop.models.native)."""
     if isinstance(layer, StackedLinear):
         for part in layer.blocks():
@@ -198,7 +198,7 @@ def _attach_native(layer: nn.Module, is_head: bool) -> None:
     if kernels.available() and layer.native is None:
         kind, weight, k, scales, bias = layer.native_spec()
         layer.native = kernels.native_linear(kind, weight, k, scales, bias,
-                                             float_acts=is_head and kind == Q8B)
+                                             wide_acts=is_head and kind == Q8B)
 
 
 def quantized_layers(model: CausalLM) -> dict[str, torch.Tensor]:

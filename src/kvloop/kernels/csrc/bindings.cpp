@@ -52,9 +52,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     std::optional<at::Tensor>, bool>(),
            py::arg("kind"), py::arg("weight"), py::arg("in_features"),
            py::arg("scales") = py::none(), py::arg("bias") = py::none(),
-           py::arg("float_acts") = false)
+           py::arg("wide_acts") = false)
       .def_static("stack", &QLinear::stack, py::arg("parts"))
-      .def_readonly("float_acts", &QLinear::float_acts)
+      .def_readonly("wide_acts", &QLinear::wide_acts)
       .def("set_batched_decode", &QLinear::set_batched_decode, py::arg("min_rows"),
            py::arg("bf16") = true)
       .def_readonly("batched_decode", &QLinear::batched_decode)

@@ -78,6 +78,10 @@ struct QuantizedActs {
   std::vector<float> s;   // [M, K / 32]  d * sum(q) of the block
   std::vector<float> ssum;  // [M]        sum of the row's s (int8 weights, VNNI path)
   std::vector<int8_t> qp;   // [M, K]     q with groups in pairs, for 4-bit weights (pair_acts)
+  // The same rows as int16 codes per block of 32, for the head's kernel (wide_acts).
+  std::vector<int16_t> q16;  // [M, K]
+  std::vector<float> d16;    // [M, K / 32]  scale: x ~= d16 * q16
+  std::vector<float> s16;    // [M, K / 32]  d16 * sum(q16) of the block
   at::Tensor xb;  // bf16 input of the batched path (QLinear::set_batched_decode)
   at::Tensor wb;  // a chunk of weight rows decoded for the batched path (set_batched_decode)
   std::vector<float> part_y;  // one stacked part's output (QLinear::stack)
@@ -109,10 +113,11 @@ constexpr int64_t kNumWeightKinds = 10;  // the layouts a QLinear is constructed
 //   Q4_K, Q5_K, Q6_K, Q5_0, Q5_1: uint8 [N, K / QK * block bytes], each row GGUF's blocks
 //        of that format exactly as the file stores them (see stored_blocks.cpp): decode
 //        reads 4.5 to 6.6 bits a weight, not the 8 + scales of Q8B.
-// Quantized kinds use int8 activations (quantize_acts) unless float_acts; F32 keeps fp32.
+// Quantized kinds use int8 activations (quantize_acts), or int16 ones (quantize_acts16)
+// where wide_acts; F32 keeps fp32.
 struct QLinear {
   WeightKind kind = WeightKind::F32;
-  bool float_acts = false;  // Q8 / Q8B: fp32 activations (no int8 rounding), for the head
+  bool wide_acts = false;  // Q8 / Q8B: int16 activations (the head: int8 moved its logits)
   int64_t out_features = 0, in_features = 0;
   at::Tensor weight, scales;
   std::optional<at::Tensor> bias;
@@ -139,16 +144,17 @@ struct QLinear {
   QLinear() = default;  // for stack
   QLinear(int64_t kind, at::Tensor weight, int64_t in_features,
           std::optional<at::Tensor> scales, std::optional<at::Tensor> bias,
-          bool float_acts = false);
+          bool wide_acts = false);
   static std::shared_ptr<QLinear> stack(const std::vector<std::shared_ptr<QLinear>>& parts);
-  // Whether the kernel takes int8 activations (quantize_acts) rather than fp32 rows.
-  bool quantized() const { return kind != WeightKind::F32 && !float_acts; }
+  // Whether the kernel takes quantized activations (int8, or int16: wide_acts) rather than
+  // fp32 rows.
+  bool quantized() const { return kind != WeightKind::F32; }
   // Whether the kernel reads activations in pair order (pair_acts): the 4-bit kinds.
   bool paired() const { return kind == WeightKind::Q4 || kind == WeightKind::Q4F; }
   // x: [M, K] fp32 rows (F32), or acts quantized from them (Q8/Q4). y: [M, N] fp32.
   void run(const float* x, const QuantizedActs* acts, int64_t M, float* y) const;
   // x [M, K] fp32 rows -> y [M, N], quantizing x into `acts` (scratch the caller may
-  // reuse across layers) first when the kernel takes int8 activations.
+  // reuse across layers) first when the kernel takes quantized activations.
   void apply(const float* x, int64_t M, QuantizedActs& acts, float* y) const;
   at::Tensor forward(const at::Tensor& x) const;  // [M, K] -> [M, N], for Python and tests
   int64_t weight_bytes() const;
@@ -175,6 +181,8 @@ void stored_rows(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m
 void stored_decode_row(const QLinear& L, int64_t n, float* out);
 
 void quantize_acts(const float* x, int64_t M, int64_t K, QuantizedActs& out);
+// q16, d16 and s16 of `out` (int16 codes per block of 32; M and K too).
+void quantize_acts16(const float* x, int64_t M, int64_t K, QuantizedActs& out);
 // The order the 4-bit kernel reads activations in (QuantizedActs::qp), from a.q.
 void pair_acts(QuantizedActs& a);
 // Python-facing: (q int8 [M, K], d fp32 [M, K/32]), the exact rounding the kernels use.

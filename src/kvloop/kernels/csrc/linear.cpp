@@ -76,10 +76,6 @@ inline __m256i unpack_q4(const uint8_t* p) {
 
 #ifdef __AVX2__
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const int8_t* p) {  // 8 int8 weights widened to fp32
-  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
-}
 
 // 16 fp32 weights (w0: k..k+7, w1: k+8..k+15) into each of C activation rows' two FMA
 // chains (two per row: one chain alone is latency-bound at C == 1).
@@ -93,13 +89,11 @@ inline void fma16_rows(__m256 (&acc)[C][2], __m256 w0, __m256 w1, const float* X
 }
 #endif
 
-// fp32 activations against fp32 weights, or against int8 weights widened to fp32 (the
-// output head: int8 activation rounding there would move every logit) with the row's
-// scale applied at the end (scales == nullptr: none).
-template <int C, typename T>
-void row_dense(const T* W, const float* scales, const float* X, int64_t K, int64_t N,
-               int64_t n, int64_t m0, float* Y) {
-  const T* w = W + n * K;
+// fp32 activations against fp32 weights.
+template <int C>
+void row_dense(const float* W, const float* X, int64_t K, int64_t N, int64_t n, int64_t m0,
+               float* Y) {
+  const float* w = W + n * K;
   float out[C];
   int64_t k = 0;
 #ifdef __AVX2__
@@ -111,9 +105,8 @@ void row_dense(const T* W, const float* scales, const float* X, int64_t K, int64
   for (int c = 0; c < C; ++c) out[c] = 0.f;
 #endif
   for (; k < K; ++k)
-    for (int c = 0; c < C; ++c) out[c] += static_cast<float>(w[k]) * X[(m0 + c) * K + k];
-  const float s = scales != nullptr ? scales[n] : 1.f;
-  for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = scales != nullptr ? out[c] * s : out[c];
+    for (int c = 0; c < C; ++c) out[c] += w[k] * X[(m0 + c) * K + k];
+  for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c];
 }
 
 template <int C>
@@ -380,64 +373,166 @@ void row_q8b(const int8_t* W, const uint8_t* S, const QuantizedActs& A, int64_t 
   for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c];
 }
 
-// Q8B against fp32 activations (the output head): each 8 weights rebuilt in fp32 (scale *
-// code + min: exact, see kvloop.quant.layout) and multiplied into the activations.
-template <int C, bool F32S, int G, bool MIN>
-void row_q8b_float(const int8_t* W, const uint8_t* S, const float* X, int64_t K, int64_t N,
-                   int64_t n, int64_t m0, float* Y) {
-  const int64_t ng = K / G;
-  constexpr int64_t kS = F32S ? 4 : 2;
-  const int8_t* w = W + n * K;
-  const uint8_t* sc = S + n * ng * kS * (MIN ? 2 : 1);
-  float out[C];
-#if defined(__AVX512F__)
-  if constexpr (!MIN) {
-    // Per group, the codes' dot product with x in fp32 (16 lanes), then one multiply-add
-    // by the group's scale: half the work per weight of rebuilding each weight first
-    // (this is the output head, a model's largest matrix: Gemma 3's 262k x 640).
-    // Two accumulators per row (even and odd groups) keep the scale chain in flight.
-    __m512 acc[2][C];
-    for (int c = 0; c < C; ++c) acc[0][c] = acc[1][c] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < ng; ++g) {
-      const int64_t k = g * G;
-      __m512 t[C];
-      const __m512 w0 = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k))));
-      for (int c = 0; c < C; ++c) t[c] = _mm512_mul_ps(w0, _mm512_loadu_ps(X + (m0 + c) * K + k));
-      if constexpr (G == 32) {
-        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k + 16))));
-        for (int c = 0; c < C; ++c)
-          t[c] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(X + (m0 + c) * K + k + 16), t[c]);
-      }
-      const __m512 sg = _mm512_set1_ps(scale_at<F32S>(sc, g));
-      for (int c = 0; c < C; ++c) acc[g & 1][c] = _mm512_fmadd_ps(t[c], sg, acc[g & 1][c]);
+// ---- int8 weights against int16 activations (wide_acts: the output head) ----
+//
+// The head's logits are what sampling compares, and int8 activations moved them enough to
+// change greedy tokens (benchmarks/quant_quality.py). fp32 activations against the codes
+// widened to fp32 cost ~5 vector ops per 16 weights and left a 1B model's head
+// compute-bound at ~15 GB/s, half of its decode step. int16 activations instead, one scale
+// per row (2^-15 of the row's largest: finer than the bf16 of the batched path for any
+// value within 2^7 of it), let one multiply-add (vpmaddwd) take 32 codes x activations
+// (AVX-512) or 16 (AVX2) into exact int32 pair sums, and leave one fp32 multiply-add per
+// block: its sums times the weights' group scales. (A scale per block of 32 cost a
+// multiply more per block and was ~1.3x slower.)
+
+// A weight row's factor for each half block of 16 weights (half h: weights 16h..16h+15):
+// Q8B's group scales in fp32 (groups of 16 or 32), or 1 (Q8, whose row scale comes last).
+template <int G>
+struct GroupScales {
+  static constexpr bool kWholeBlock = G == 32;  // a block's two halves share one factor
+  const float* sc;
+  float half(int64_t h) const { return sc[G == 16 ? h : h / 2]; }
+#ifdef __AVX512F__
+  __m512 block(int64_t b) const {  // lanes 0-7: half 2b's factor, lanes 8-15: half 2b + 1's
+    if constexpr (G == 32) {
+      return _mm512_set1_ps(sc[b]);
+    } else {
+      const __m128 two =  // the scales of groups 2b, 2b + 1
+          _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc + 2 * b)));
+      return _mm512_permutexvar_ps(
+          _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+          _mm512_castps128_ps512(two));
     }
-    for (int c = 0; c < C; ++c)
-      Y[(m0 + c) * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[0][c], acc[1][c]));
-    return;
   }
 #endif
-#ifdef __AVX2__
-  __m256 acc[C][2];
-  for (int c = 0; c < C; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
-  for (int64_t h = 0; h < K / 16; ++h) {
-    const int64_t g = h * 16 / G, k = h * 16;
-    const __m256 s = _mm256_set1_ps(scale_at<F32S>(sc, g));
-    const __m256 m = _mm256_set1_ps(MIN ? scale_at<F32S>(sc + ng * kS, g) : 0.f);
-    fma16_rows<C>(acc, _mm256_fmadd_ps(load8(w + k), s, m),
-                  _mm256_fmadd_ps(load8(w + k + 8), s, m), X, K, m0, k);
+};
+struct UnitScales {
+  static constexpr bool kWholeBlock = true;
+  float half(int64_t) const { return 1.f; }
+#ifdef __AVX512F__
+  __m512 block(int64_t) const { return _mm512_set1_ps(1.f); }
+#endif
+};
+
+// out[c] = d of row m0 + c x the sum over blocks of the block's factors x (codes . its
+// int16 activations).
+template <int C, typename Scales>
+void row_wide(const int8_t* w, const Scales& sc, const QuantizedActs& A, int64_t m0,
+              float (&out)[C]) {
+  const int64_t K = A.K, nb = K / kGroup;
+  const int16_t* xq = A.q16.data() + m0 * K;
+  // Even and odd blocks into two accumulators (two FMA chains in flight), each a named
+  // array: acc[b & 1] would index registers at run time and keep them in memory.
+#if defined(__AVX512BW__)
+  __m512 acc0[C], acc1[C];
+  for (int c = 0; c < C; ++c) acc0[c] = acc1[c] = _mm512_setzero_ps();
+  auto block = [&](int64_t b, __m512* acc) {
+    const __m512i wv = _mm512_cvtepi8_epi16(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kGroup)));
+    const __m512 f = sc.block(b);
+    for (int c = 0; c < C; ++c) {
+      const __m512i p = _mm512_madd_epi16(wv, _mm512_loadu_si512(xq + c * K + b * kGroup));
+      acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), f, acc[c]);
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    block(b, acc0);
+    block(b + 1, acc1);
   }
-  for (int c = 0; c < C; ++c) out[c] = hsum(_mm256_add_ps(acc[c][0], acc[c][1]));
+  if (b < nb) block(b, acc0);
+  for (int c = 0; c < C; ++c) out[c] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[c], acc1[c]));
+#elif defined(__AVX2__)
+  __m256 acc0[C], acc1[C];
+  for (int c = 0; c < C; ++c) acc0[c] = acc1[c] = _mm256_setzero_ps();
+  auto block = [&](int64_t b, __m256* acc) {
+    const __m256i w0 = _mm256_cvtepi8_epi16(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * kGroup)));
+    const __m256i w1 = _mm256_cvtepi8_epi16(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * kGroup + 16)));
+    const __m256 f0 = _mm256_set1_ps(sc.half(2 * b));
+    for (int c = 0; c < C; ++c) {
+      const auto* x = reinterpret_cast<const __m256i*>(xq + c * K + b * kGroup);
+      const __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256(x));
+      const __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256(x + 1));
+      if constexpr (Scales::kWholeBlock) {
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), f0, acc[c]);
+      } else {  // the halves' factors differ: two multiply-adds, one chain
+        const __m256 f1 = _mm256_set1_ps(sc.half(2 * b + 1));
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), f0, acc[c]);
+        acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), f1, acc[c]);
+      }
+    }
+  };
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    block(b, acc0);
+    block(b + 1, acc1);
+  }
+  if (b < nb) block(b, acc0);
+  for (int c = 0; c < C; ++c) out[c] = hsum(_mm256_add_ps(acc0[c], acc1[c]));
 #else
-  for (int c = 0; c < C; ++c) out[c] = 0.f;
-  for (int64_t k = 0; k < K; ++k) {
-    const float s = scale_at<F32S>(sc, k / G);
-    const float m = MIN ? scale_at<F32S>(sc + ng * kS, k / G) : 0.f;
-    const float wk = std::fma(static_cast<float>(w[k]), s, m);
-    for (int c = 0; c < C; ++c) out[c] += wk * X[(m0 + c) * K + k];
+  for (int c = 0; c < C; ++c) {
+    out[c] = 0.f;
+    for (int64_t h = 0; h < 2 * nb; ++h) {
+      int32_t dot = 0;
+      for (int64_t j = 0; j < 16; ++j)
+        dot += int32_t(w[h * 16 + j]) * int32_t(xq[c * K + h * 16 + j]);
+      out[c] += float(dot) * sc.half(h);
+    }
   }
 #endif
+  for (int c = 0; c < C; ++c) out[c] *= A.d16[m0 + c];
+}
+
+template <int C>
+void row_q8_wide(const int8_t* W, const float* scales, const QuantizedActs& A, int64_t N,
+                 int64_t n, int64_t m0, float* Y) {
+  float out[C];
+  row_wide<C>(W + n * A.K, UnitScales{}, A, m0, out);
+  for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c] * scales[n];
+}
+
+// fp32 copies of a row's fp16 scales (n of them from `table`); fp32 tables as they are.
+template <bool F32S>
+const float* row_scales(const uint8_t* table, int64_t n, float* buf) {
+  if constexpr (F32S) {
+    return reinterpret_cast<const float*>(table);
+  } else {
+    int64_t i = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(buf + i, scales8<false>(table, i));
+#endif
+    for (; i < n; ++i) buf[i] = scale_at<false>(table, i);
+    return buf;
+  }
+}
+
+template <int C, bool F32S, int G, bool MIN>
+void row_q8b_wide(const int8_t* W, const uint8_t* S, const QuantizedActs& A, int64_t N,
+                  int64_t n, int64_t m0, float* Y) {
+  const int64_t K = A.K, ng = K / G, nb = K / kGroup;
+  constexpr int64_t kS = F32S ? 4 : 2;
+  const uint8_t* table = S + n * ng * kS * (MIN ? 2 : 1);  // the row's scales (then mins)
+  float buf[2 * kMaxGroups];
+  float out[C];
+  row_wide<C>(W + n * K, GroupScales<G>{row_scales<F32S>(table, ng, buf)}, A, m0, out);
+  if constexpr (MIN) {  // + each group's min x the sum of its activations, s16 = d sum(q)
+    const float* mins = row_scales<F32S>(table + ng * kS, nb, buf);
+    for (int c = 0; c < C; ++c) {
+      const float* s = A.s16.data() + (m0 + c) * nb;
+      float extra = 0.f;
+      int64_t b = 0;
+#ifdef __AVX2__
+      __m256 acc = _mm256_setzero_ps();
+      for (; b + 8 <= nb; b += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(mins + b), _mm256_loadu_ps(s + b), acc);
+      extra = hsum(acc);
+#endif
+      for (; b < nb; ++b) extra += mins[b] * s[b];
+      out[c] += extra;
+    }
+  }
   for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c];
 }
 
@@ -448,9 +543,9 @@ void rows_q8b(const QLinear& L, const float* x, const QuantizedActs* A, int64_t 
   const int8_t* W = L.weight.data_ptr<int8_t>();
   const auto* S = static_cast<const uint8_t*>(L.scales.data_ptr());
   int64_t m = m0;
-  if (L.float_acts) {
-    for (; m + C <= m1; m += C) row_q8b_float<C, F32S, G, MIN>(W, S, x, K, N, n, m, y);
-    for (; m < m1; ++m) row_q8b_float<1, F32S, G, MIN>(W, S, x, K, N, n, m, y);
+  if (L.wide_acts) {
+    for (; m + C <= m1; m += C) row_q8b_wide<C, F32S, G, MIN>(W, S, *A, N, n, m, y);
+    for (; m < m1; ++m) row_q8b_wide<1, F32S, G, MIN>(W, S, *A, N, n, m, y);
   } else {
     for (; m + C <= m1; m += C) row_q8b<C, F32S, G, MIN>(W, S, *A, N, n, m, y);
     for (; m < m1; ++m) row_q8b<1, F32S, G, MIN>(W, S, *A, N, n, m, y);
@@ -472,17 +567,16 @@ void rows_q8b_any(const QLinear& L, const float* x, const QuantizedActs* A, int6
   }
 }
 
-// ---- batched, fp32 activations: a tile of R weight rows x C activation rows ----
+// ---- batched, fp32: a tile of R weight rows x C activation rows ----
 //
 // With many activation rows the step is compute-bound and the weights come from cache
 // after the first pass, so the usual register tiling pays: each activation load is shared
-// by R weight rows and each weight load (fp32, or int8 widened: the head) by C activation
-// rows. (For the int8-activation kernels the same tiling measured slower than the
+// by R weight rows and each weight load by C activation rows. (For the int8-activation kernels the same tiling measured slower than the
 // row-at-a-time loop: their cost is the per-pair multiply-add chain, not loads.)
 
-template <int R, int C, typename T>
-void tile_dense(const T* W, const float* scales, const float* X, int64_t K, int64_t N,
-                int64_t n0, int64_t m0, float* Y) {
+template <int R, int C>
+void tile_dense(const float* W, const float* X, int64_t K, int64_t N, int64_t n0, int64_t m0,
+                float* Y) {
   float out[R][C];
   int64_t k = 0;
 #ifdef __AVX2__
@@ -506,30 +600,20 @@ void tile_dense(const T* W, const float* scales, const float* X, int64_t K, int6
   for (; k < K; ++k)
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c)
-        out[r][c] += static_cast<float>(W[(n0 + r) * K + k]) * X[(m0 + c) * K + k];
-  for (int r = 0; r < R; ++r) {
-    const float sc = scales != nullptr ? scales[n0 + r] : 1.f;
-    for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n0 + r] = out[r][c] * sc;
-  }
+        out[r][c] += W[(n0 + r) * K + k] * X[(m0 + c) * K + k];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n0 + r] = out[r][c];
 }
 
-// Weight rows n0..n0+R (fp32, or int8 with fp32 activations) against activation rows
-// m0..m1, C at a time (then one by one).
+// fp32 weight rows n0..n0+R against activation rows m0..m1, C at a time (then one by one).
 template <int R, int C>
 void tile_all_dense(const QLinear& L, const float* x, int64_t m0, int64_t m1, int64_t n0,
                     float* y) {
   const int64_t N = L.out_features, K = L.in_features;
+  const float* W = L.weight.data_ptr<float>();
   int64_t m = m0;
-  if (L.kind == WeightKind::F32) {
-    const float* W = L.weight.data_ptr<float>();
-    for (; m + C <= m1; m += C) tile_dense<R, C>(W, nullptr, x, K, N, n0, m, y);
-    for (; m < m1; ++m) tile_dense<R, 1>(W, nullptr, x, K, N, n0, m, y);
-  } else {
-    const int8_t* W = L.weight.data_ptr<int8_t>();
-    const float* s = L.scales.data_ptr<float>();
-    for (; m + C <= m1; m += C) tile_dense<R, C>(W, s, x, K, N, n0, m, y);
-    for (; m < m1; ++m) tile_dense<R, 1>(W, s, x, K, N, n0, m, y);
-  }
+  for (; m + C <= m1; m += C) tile_dense<R, C>(W, x, K, N, n0, m, y);
+  for (; m < m1; ++m) tile_dense<R, 1>(W, x, K, N, n0, m, y);
 }
 
 // Weight row n against activation rows m0..m1: C at a time, then one by one.
@@ -541,16 +625,16 @@ void row_all(const QLinear& L, const float* x, const QuantizedActs* A, int64_t m
   switch (L.kind) {
     case WeightKind::F32: {
       const float* W = L.weight.data_ptr<float>();
-      for (; m + C <= m1; m += C) row_dense<C>(W, nullptr, x, K, N, n, m, y);
-      for (; m < m1; ++m) row_dense<1>(W, nullptr, x, K, N, n, m, y);
+      for (; m + C <= m1; m += C) row_dense<C>(W, x, K, N, n, m, y);
+      for (; m < m1; ++m) row_dense<1>(W, x, K, N, n, m, y);
       break;
     }
     case WeightKind::Q8: {
       const int8_t* W = L.weight.data_ptr<int8_t>();
       const float* s = L.scales.data_ptr<float>();
-      if (L.float_acts) {
-        for (; m + C <= m1; m += C) row_dense<C>(W, s, x, K, N, n, m, y);
-        for (; m < m1; ++m) row_dense<1>(W, s, x, K, N, n, m, y);
+      if (L.wide_acts) {
+        for (; m + C <= m1; m += C) row_q8_wide<C>(W, s, *A, N, n, m, y);
+        for (; m < m1; ++m) row_q8_wide<1>(W, s, *A, N, n, m, y);
       } else {
         for (; m + C <= m1; m += C) row_q8<C>(W, s, *A, N, n, m, y);
         for (; m < m1; ++m) row_q8<1>(W, s, *A, N, n, m, y);
@@ -590,14 +674,15 @@ void check_2d(const at::Tensor& t, at::ScalarType dtype, int64_t rows, int64_t c
 
 QLinear::QLinear(int64_t kind_, at::Tensor weight_, int64_t in_features_,
                  std::optional<at::Tensor> scales_, std::optional<at::Tensor> bias_,
-                 bool float_acts_)
-    : kind(static_cast<WeightKind>(kind_)), float_acts(float_acts_), weight(std::move(weight_)),
+                 bool wide_acts_)
+    : kind(static_cast<WeightKind>(kind_)), wide_acts(wide_acts_),
+      weight(std::move(weight_)),
       bias(std::move(bias_)) {
   TORCH_CHECK(kind_ >= 0 && kind_ < kNumWeightKinds,
               "weight kind must be 0 (fp32), 1 (int8), 2 (int4), 3 (int4, fp32 scales), "
               "4 (int8 codes, group scales) or 5-9 (GGUF Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 blocks)");
-  TORCH_CHECK(!float_acts_ || kind_ == 1 || kind_ == 4,
-              "float activations are an int8-weight option");
+  TORCH_CHECK(!wide_acts_ || kind_ == 1 || kind_ == 4,
+              "int16 activations are an int8-weight option");
   TORCH_CHECK(weight.dim() == 2, "weight must be 2-D");
   out_features = weight.size(0);
   const bool packed = kind == WeightKind::Q4 || kind == WeightKind::Q4F || is_stored(kind);
@@ -671,7 +756,7 @@ std::shared_ptr<QLinear> QLinear::stack(const std::vector<std::shared_ptr<QLinea
   s->kind = WeightKind::Stack;
   s->in_features = parts[0]->in_features;
   for (const auto& p : parts) {
-    TORCH_CHECK(p != nullptr && p->parts.empty() && !p->float_acts,
+    TORCH_CHECK(p != nullptr && p->parts.empty() && !p->wide_acts,
                 "stacked parts must be plain layers");
     TORCH_CHECK(p->in_features == s->in_features, "stacked parts must share in_features");
     s->out_features += p->out_features;
@@ -700,13 +785,14 @@ void QLinear::run(const float* x, const QuantizedActs* acts, int64_t M, float* y
   TORCH_CHECK(!quantized() || !paired() ||
                   static_cast<int64_t>(acts->qp.size()) == M * in_features,
               "4-bit weights need the activations in pair order (pair_acts)");
+  TORCH_CHECK(!wide_acts || static_cast<int64_t>(acts->q16.size()) == M * in_features,
+              "the head's kernel needs int16 activations (quantize_acts16)");
   // Activation rows in chunks that stay in L2 while the weights stream past them once
   // per chunk (prefill-sized M); within a chunk each thread takes one contiguous share of
   // the output rows (sequential weight reads).
   for (int64_t m0 = 0; m0 < M; m0 += kChunkRows) {
     const int64_t m1 = std::min(M, m0 + kChunkRows);
-    const bool tiled = (kind == WeightKind::F32 || kind == WeightKind::Q8) && !quantized() &&
-                       m1 - m0 >= kTileMinRows;
+    const bool tiled = kind == WeightKind::F32 && m1 - m0 >= kTileMinRows;
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
       int64_t n = n0;
       if (tiled) {
@@ -918,6 +1004,9 @@ void QLinear::apply(const float* x, int64_t M, QuantizedActs& acts, float* y) co
   }
   if (batched_decode && M >= batched_min_rows) {
     run_batched_decode(x, M, acts, y);
+  } else if (wide_acts) {
+    quantize_acts16(x, M, in_features, acts);
+    run(nullptr, &acts, M, y);
   } else if (quantized()) {
     quantize_acts(x, M, in_features, acts);
     if (paired()) pair_acts(acts);
@@ -1018,6 +1107,36 @@ void quantize_acts(const float* x, int64_t M, int64_t K, QuantizedActs& out) {
         total += out.s[m * nb + b];
       }
       out.ssum[m] = total;
+    }
+  });
+}
+
+void quantize_acts16(const float* x, int64_t M, int64_t K, QuantizedActs& out) {
+  const int64_t nb = K / kGroup;
+  out.M = M;
+  out.K = K;
+  out.q16.resize(M * K);
+  out.d16.resize(M);
+  out.s16.resize(M * nb);
+  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* v = x + m * K;
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(v[k]));
+      const float d = amax / 32767.f >= kMinScale ? amax / 32767.f : 0.f;
+      const float id = d != 0.f ? 1.f / d : 0.f;
+      int16_t* q = out.q16.data() + m * K;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t sum = 0;
+        for (int64_t k = b * kGroup; k < (b + 1) * kGroup; ++k) {
+          // nearbyint: half to even, as torch.round (the reference)
+          const int32_t qk = static_cast<int32_t>(std::nearbyint(v[k] * id));
+          q[k] = static_cast<int16_t>(qk);
+          sum += qk;
+        }
+        out.s16[m * nb + b] = d * static_cast<float>(sum);
+      }
+      out.d16[m] = d;
     }
   });
 }
