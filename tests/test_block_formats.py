@@ -120,8 +120,13 @@ def test_fused_layer_of_mixed_formats_keeps_each_parts_blocks() -> None:
         ref = torch.cat([oracle(q, fq, 32, 512), oracle(k, fq, 16, 512),
                          oracle(v, fv, 16, 512)])
         bias = torch.randn(64)
-        lin = StackedLinear([BlockLinear(p, b) for p, b in zip(w, bias.split([48, 16]),
-                                                                strict=True)])
+        # The bias arrives after the layer is built (load_weights copies Qwen2's q/k/v
+        # biases into the fused layer's): the parts and their kernels must see it.
+        lin = StackedLinear([BlockLinear(p) for p in w], torch.zeros(64))
+        early = native_stack([native_linear(*b.native_spec()) for b in lin.blocks()]
+                             ) if kernels.available() else None
+        assert lin.bias is not None
+        lin.bias.copy_(bias)
         assert lin.out_features == 64 and torch.equal(lin.dequantize(), ref)
         x = torch.randn(3, 512)
         dense = (x.double() @ ref.double().T + bias.double()).float()
@@ -136,6 +141,7 @@ def test_fused_layer_of_mixed_formats_keeps_each_parts_blocks() -> None:
                 xm = torch.randn(M, 512)
                 want = torch.cat([p.forward(xm) for p in parts], dim=1)
                 assert torch.equal(stack.forward(xm), want)
+                assert early is not None and torch.equal(early.forward(xm), want)
             stack.set_batched_decode(16)
             assert all(p.batched_min_rows == 16 for p in parts)
 
@@ -376,6 +382,38 @@ def test_fused_checkpoint_tensors_are_taken_whole(tmp_path: Path,
     assert isinstance(cast(Any, fp32.engine.model.layers[0]).self_attn.qkv_proj, Linear)
     assert layer.self_attn.qkv_proj.equals(
         cast(Any, fp32.engine.model.layers[0]).self_attn.qkv_proj.weight.detach())
+    ids = [5, 17, 42, 7, 99, 3]
+    ours, ref = last_logits(stored, ids), last_logits(fp32, ids)
+    assert float((ours - ref).abs().max() / ref.abs().max()) < 0.05
+
+
+def test_fused_layer_of_mixed_formats_with_bias_loads(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen2 with q/k stored as Q5_0 and v as Q8_0 (a Q4_K_M file's mix, in the formats
+    gguf can write) and q/k/v biases: the fused layer is a stack of the parts, and the
+    biases load_weights copies into it after it is built reach the parts' kernels."""
+    from conftest import write_tiny_qwen2
+    from test_families import convert_to_gguf
+
+    add = gguf.GGUFWriter.add_tensor
+
+    def add_mixed(self: Any, name: str, t: np.ndarray, **kw: Any) -> None:
+        if name.startswith("blk.") and t.ndim == 2 and kw.get("raw_dtype") is None:
+            kw["raw_dtype"] = T.Q5_0 if name.endswith(("attn_q.weight", "attn_k.weight")) \
+                else T.Q8_0
+            t = gguf.quants.quantize(t.astype(np.float32), kw["raw_dtype"])
+        add(self, name, t, **kw)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_mixed)
+    path = convert_to_gguf(write_tiny_qwen2(tmp_path / "qwen2"), tmp_path / "q.gguf", "qwen2")
+    monkeypatch.undo()
+    stored = LLM(path, kv_cache_memory="16MiB")
+    qkv = cast(Any, stored.engine.model.layers[0]).self_attn.qkv_proj
+    assert isinstance(qkv, StackedLinear) and qkv.bias is not None
+    assert float(qkv.bias.abs().max()) > 0  # the checkpoint's biases, loaded
+    fp32 = LLM(path, kv_cache_memory="16MiB", quantization="none", pack_weights=False)
+    ref_bias = cast(Any, fp32.engine.model.layers[0]).self_attn.qkv_proj.bias
+    assert torch.equal(qkv.bias, ref_bias)
     ids = [5, 17, 42, 7, 99, 3]
     ours, ref = last_logits(stored, ids), last_logits(fp32, ids)
     assert float((ours - ref).abs().max() / ref.abs().max()) < 0.05

@@ -141,10 +141,8 @@ def use_stored_blocks(model: CausalLM, source: Mapping[str, Weights]) -> set[str
         if shape != (lin.out_features, lin.in_features):
             log.warning("%s: stored blocks have shape %s, kept fp32", names, shape)
             return
-        rows = [p.shape[0] for p in ws]
-        biases = (lin.bias.split(rows) if lin.bias is not None else [None] * len(ws))
-        blocks = [BlockLinear(p, b) for p, b in zip(ws, biases, strict=True)]
-        new: nn.Module = blocks[0] if len(blocks) == 1 else StackedLinear(blocks)
+        new: nn.Module = (BlockLinear(ws[0], lin.bias) if len(ws) == 1
+                          else StackedLinear([BlockLinear(p) for p in ws], lin.bias))
         _attach_native(new, is_head)
         setattr(owner, attr, new)
         taken.update(n for n in names if n != EMBEDDING)

@@ -93,13 +93,23 @@ class StackedLinear(nn.Module):
     their layers), or holds only at more bytes (Q5_0 with Q8_0 as 8-bit codes): each part
     a BlockLinear over its own blocks (and its slice of the bias), the output theirs side
     by side. The parts count their own bytes (weight_bytes); the native kernel is a stack
-    of theirs (kvloop.kernels.linear.native_stack)."""
+    of theirs (kvloop.kernels.linear.native_stack).
 
-    def __init__(self, parts: list[BlockLinear]) -> None:
+    bias [N]: the whole layer's, whose row slices become the parts' biases (views: a bias
+    copied in later, as load_weights does for Qwen2's q/k/v, reaches the parts and their
+    kernels)."""
+
+    def __init__(self, parts: list[BlockLinear], bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.parts = nn.ModuleList(parts)
         self.in_features = parts[0].in_features
         self.out_features = sum(p.out_features for p in parts)
+        self.bias = bias
+        if bias is not None:
+            if bias.shape != (self.out_features,):
+                raise ValueError(f"bias of shape {tuple(bias.shape)} for {self.out_features} rows")
+            for p, b in zip(parts, bias.split([p.out_features for p in parts]), strict=True):
+                p.bias = b
         self.native: Any = None
 
     def blocks(self) -> list[BlockLinear]:
