@@ -124,14 +124,19 @@ inline void unpack_codes(const uint8_t* b, uint8_t* u) {
 }
 
 #ifdef __AVX2__
-// 0x10 in byte j where bit j of `bits` is set (Q5_0 / Q5_1's fifth bits).
+// 0x10 in byte j where bit j of `bits` is set (Q5_0 / Q5_1's fifth bits): AVX-512's byte
+// masks do it in two instructions, AVX2 in five.
 inline __m256i fifth_bits(uint32_t bits) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm256_maskz_mov_epi8(static_cast<__mmask32>(bits), _mm256_set1_epi8(0x10));
+#else
   const __m256i which = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202,
                                            0x0303030303030303);  // byte j <- byte j / 8
   const __m256i mask = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201));
   const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), which);
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, mask), mask),
                           _mm256_set1_epi8(0x10));
+#endif
 }
 
 // Bit j of every byte of qh moved to bit 4 (0x10 or 0): Q5_K's fifth bits of group j.
@@ -150,10 +155,12 @@ inline void for_each_group(const uint8_t* b, F&& f) {
     const int64_t head = K == WeightKind::Q5_0 ? 2 : 4;
     uint32_t qh;
     std::memcpy(&qh, b + head, 4);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + head + 4));
-    const __m128i m = _mm_set1_epi8(0x0F);
-    const __m256i lohi = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), m),
-                                          _mm_and_si128(raw, m));
+    // The 16 code bytes in both halves, the upper half shifted by 4: low nibbles are
+    // elements 0-15, high nibbles 16-31.
+    const __m256i raw = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + head + 4)));
+    const __m256i lohi = _mm256_and_si256(
+        _mm256_srlv_epi64(raw, _mm256_setr_epi64x(0, 0, 4, 4)), nib);
     f(0, _mm256_or_si256(lohi, fifth_bits(qh)));
   } else if constexpr (K == WeightKind::Q4_K || K == WeightKind::Q5_K) {
     const uint8_t* qs = b + (K == WeightKind::Q4_K ? 16 : 48);
