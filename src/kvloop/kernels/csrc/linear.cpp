@@ -109,6 +109,19 @@ void row_dense(const float* W, const float* X, int64_t K, int64_t N, int64_t n, 
   for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c];
 }
 
+// block(b, acc) for b in 0..nb: even blocks into acc0, odd ones into acc1 (two FMA chains in
+// flight; two named arrays, since acc[b & 1] would index registers at run time and keep
+// the accumulators in memory).
+template <typename Acc, typename F>
+inline void even_odd_blocks(int64_t nb, Acc* acc0, Acc* acc1, F&& block) {
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    block(b, acc0);
+    block(b + 1, acc1);
+  }
+  if (b < nb) block(b, acc0);
+}
+
 template <int C>
 void row_q8(const int8_t* W, const float* scales, const QuantizedActs& A, int64_t N,
             int64_t n, int64_t m0, float* Y) {
@@ -135,12 +148,7 @@ void row_q8(const int8_t* W, const float* scales, const QuantizedActs& A, int64_
       acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(xd[c * nb + b]), acc[c]);
     }
   };
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    block(b, acc0);
-    block(b + 1, acc1);
-  }
-  if (b < nb) block(b, acc0);
+  even_odd_blocks(nb, acc0, acc1, block);
   for (int c = 0; c < C; ++c)
     out[c] = hsum(_mm256_add_ps(acc0[c], acc1[c])) - 128.f * A.ssum[m0 + c];
 #elif defined(__AVX2__)
@@ -160,12 +168,7 @@ void row_q8(const int8_t* W, const float* scales, const QuantizedActs& A, int64_
                                _mm256_set1_ps(A.d[(m0 + c) * nb + b]), acc[c]);
     }
   };
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    block(b, acc0);
-    block(b + 1, acc1);
-  }
-  if (b < nb) block(b, acc0);
+  even_odd_blocks(nb, acc0, acc1, block);
   for (int c = 0; c < C; ++c) out[c] = hsum(_mm256_add_ps(acc0[c], acc1[c]));
 #else
   for (int c = 0; c < C; ++c) {
@@ -354,12 +357,7 @@ void row_q8b(const int8_t* W, const uint8_t* S, const QuantizedActs& A, int64_t 
       acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), f, acc[c]);
     }
   };
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    block(b, acc0);
-    block(b + 1, acc1);
-  }
-  if (b < nb) block(b, acc0);
+  even_odd_blocks(nb, acc0, acc1, block);
   for (int c = 0; c < C; ++c) out[c] += hsum(_mm256_add_ps(acc0[c], acc1[c]));
 #else
   for (int c = 0; c < C; ++c)
@@ -421,8 +419,6 @@ void row_wide(const int8_t* w, const Scales& sc, const QuantizedActs& A, int64_t
               float (&out)[C]) {
   const int64_t K = A.K, nb = K / kGroup;
   const int16_t* xq = A.q16.data() + m0 * K;
-  // Even and odd blocks into two accumulators (two FMA chains in flight), each a named
-  // array: acc[b & 1] would index registers at run time and keep them in memory.
 #if defined(__AVX512BW__)
   __m512 acc0[C], acc1[C];
   for (int c = 0; c < C; ++c) acc0[c] = acc1[c] = _mm512_setzero_ps();
@@ -435,12 +431,7 @@ void row_wide(const int8_t* w, const Scales& sc, const QuantizedActs& A, int64_t
       acc[c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), f, acc[c]);
     }
   };
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    block(b, acc0);
-    block(b + 1, acc1);
-  }
-  if (b < nb) block(b, acc0);
+  even_odd_blocks(nb, acc0, acc1, block);
   for (int c = 0; c < C; ++c) out[c] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[c], acc1[c]));
 #elif defined(__AVX2__)
   __m256 acc0[C], acc1[C];
@@ -464,12 +455,7 @@ void row_wide(const int8_t* w, const Scales& sc, const QuantizedActs& A, int64_t
       }
     }
   };
-  int64_t b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    block(b, acc0);
-    block(b + 1, acc1);
-  }
-  if (b < nb) block(b, acc0);
+  even_odd_blocks(nb, acc0, acc1, block);
   for (int c = 0; c < C; ++c) out[c] = hsum(_mm256_add_ps(acc0[c], acc1[c]));
 #else
   for (int c = 0; c < C; ++c) {
