@@ -57,6 +57,7 @@ class TraceRecorder:
         self._lock = threading.Lock()  # the engine thread records; another may write
         self._events: list[_Event] = []
         self.num_dropped = 0
+        self.num_steps = 0  # steps recorded
         self._tids: dict[str, int] = {}  # sequence id -> its track
         self._waiting: dict[str, tuple[str, float]] = {}  # seq -> ("queued"|"preempted", since)
         self._recompute: set[str] = set()  # preempted: its next prefill is a recompute
@@ -80,6 +81,7 @@ class TraceRecorder:
 
     def on_step(self, r: StepRecord) -> None:
         with self._lock:
+            self.num_steps += 1
             args: dict[str, Any] = {
                 "step": r.index, "prefill_tokens": r.num_prefill_tokens,
                 "decode_tokens": r.num_decode_tokens, "batch_size": r.batch_size,
