@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "by default they are plain text")
     _sampling_flags(gen)
     add_engine_flags(gen)
-    add_trace_flag(gen)
+    add_trace_flag(gen, "written when the reply is done (the model runs in this "
+                        "process, never on a resident engine)")
     _resident_flags(gen)
 
     roof = sub.add_parser("roofline", help="predict TTFT and time per token from first "

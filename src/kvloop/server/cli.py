@@ -73,7 +73,7 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_flags(p)
-    add_trace_flag(p)
+    add_trace_flag(p, "written when the server shuts down")
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
