@@ -176,6 +176,29 @@ def test_chunked_prefill_is_one_span_per_chunk(tiny_model_dir: Path, tmp_path: P
     assert len(trace.spans(rid, "decode")) == 2
 
 
+def test_speculative_decode_spans_count_their_accepted_tokens(
+        tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With drafts a decode step may produce several tokens: still one span per step, its
+    draft tokens and new tokens in its args, and the tokens add up to the reply."""
+    path = tmp_path / "trace.json"
+    prompt = "one two three one two three one two three one two"
+    rc, out, err = run_main(["generate", prompt, "--model", str(tiny_model_dir), "--json",
+                             "--kv-cache-memory", SMALL_KV, "--max-tokens", "40",
+                             "--ignore-eos", "--speculative", "ngram", "--trace", str(path)],
+                            capsys)
+    assert rc == 0, err
+    metrics = json.loads(out)["metrics"]
+    assert metrics["draft_tokens"] > 0
+    trace = Trace(path)
+    (rid,) = trace.requests
+    decode = trace.spans(rid, "decode")
+    assert len(trace.spans(rid, "prefill")) == 1 and len(trace.steps) == 1 + len(decode)
+    assert sum(s["args"]["new_tokens"] for s in decode) == 40 - 1
+    assert sum(s["args"].get("draft_tokens", 0) for s in decode) == metrics["draft_tokens"]
+    assert [s["args"]["decode_tokens"] for s in trace.steps[1:]] == \
+        [s["args"]["positions"] for s in sorted(decode, key=lambda e: e["ts"])]
+
+
 @pytest.mark.slow
 def test_generate_trace_on_the_default_model(tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
