@@ -55,7 +55,12 @@ class SchedulerOutput:
     use_cache: bool = True
     finished_ids: list[str] = field(default_factory=list)  # freed since the last step
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
-    num_preempted: int = 0
+    # Sequences this step's scheduling preempted (freed, back to the queue), in order.
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_preempted(self) -> int:
+        return len(self.preempted_ids)
 
     @property
     def seqs(self) -> list[ScheduledSeq]:

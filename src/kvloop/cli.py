@@ -21,13 +21,19 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from kvloop import runfile
-from kvloop.engine_flags import add_engine_flags, default_engine_options, engine_options
+from kvloop.engine_flags import (
+    add_engine_flags,
+    add_trace_flag,
+    default_engine_options,
+    engine_options,
+)
 from kvloop.errors import KvloopError, RemoteError
 from kvloop.params import SamplingParams, StructuredOutput
 from kvloop.server.cli import add_serve_parser, cmd_serve
 
 if TYPE_CHECKING:  # kvloop.client imports httpx (~80 ms): only the remote path loads it
     from kvloop.client import Remote
+    from kvloop.engine.trace import TraceRecorder
 
 EXIT_USAGE = 2
 EXIT_REMOTE = 1  # the resident engine failed to answer
@@ -100,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "by default they are plain text")
     _sampling_flags(gen)
     add_engine_flags(gen)
+    add_trace_flag(gen, "written when the reply is done (the model runs in this "
+                        "process, never on a resident engine)")
     _resident_flags(gen)
 
     roof = sub.add_parser("roofline", help="predict TTFT and time per token from first "
@@ -303,8 +311,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     remote = _resident(args)
     if remote is not None:
         return _generate_remote(remote, args, params, texts)
+    trace = _trace_recorder(args.trace)  # a bad path is refused before the model loads
     llm = _make_llm(args)
+    if trace is None:
+        return _generate_local(llm, args, params, texts)
+    llm.engine.observer = trace
+    try:
+        return _generate_local(llm, args, params, texts)
+    finally:  # what ran is written, an interrupted run's too
+        _write_trace(trace)
 
+
+def _trace_recorder(path: str | None) -> TraceRecorder | None:
+    if path is None:
+        return None
+    from kvloop.engine.trace import TraceRecorder
+
+    return TraceRecorder(path)  # writes an empty trace now: a KvloopError if it cannot
+
+
+def _write_trace(trace: TraceRecorder) -> None:
+    try:
+        trace.write()
+    except OSError as e:
+        raise KvloopError(f"cannot write --trace {trace.path}: {e.strerror or e}") from None
+
+
+def _generate_local(llm: Any, args: argparse.Namespace, params: SamplingParams,
+                    texts: list[str]) -> int:
+    """`kvloop generate` on a model loaded in this process."""
     def encode(text: str) -> str | list[int]:
         if args.parse_special:
             return list(llm.tokenizer.encode(text, parse_special=True))
@@ -346,7 +381,7 @@ def _end_stream(comps: Sequence[Any], metrics: dict[str, Any], params: SamplingP
 def _resident(args: argparse.Namespace) -> Remote | None:
     """The running server this command goes to, or None: load the model here. Decided
     before anything heavy is imported, so a remote command never loads torch."""
-    if args.local:
+    if args.local or getattr(args, "trace", None):  # a trace is of this process's engine
         return None
     if not (args.server or os.environ.get(runfile.SERVER_ENV) or runfile.live()):
         return None  # nothing to reach: kvloop.client (httpx) stays unimported

@@ -74,6 +74,16 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "forces (by default they run in one step; the output is the same)")
 
 
+def add_trace_flag(p: argparse.ArgumentParser, when: str) -> None:
+    """--trace FILE, the same words on `generate` and `serve` (not an engine option: it
+    changes nothing the engine computes, so a resident engine's options never differ
+    by it). `when`: when that command writes the file."""
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="write the engine's steps and each request's phases (queued, "
+                        "prefill, decode, preempted) to FILE as Chrome trace-event JSON, "
+                        f"for Perfetto (ui.perfetto.dev) or chrome://tracing; {when}")
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The engine flags as EngineConfig options, checked now (before the slow model load):
     a bad one is the API's InvalidParamsError, printed as one line."""

@@ -171,7 +171,7 @@ class Scheduler:
                 victim = self._pick_victim(self.running[i:])
                 self._preempt(victim)
                 preempted = True
-                out.num_preempted += 1
+                out.preempted_ids.append(victim.request_id)
                 if victim is req:
                     break
             if req.status != RequestStatus.RUNNING:

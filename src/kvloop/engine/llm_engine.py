@@ -15,6 +15,7 @@ import ctypes
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from kvloop.engine.detokenizer import IncrementalDetokenizer
 from kvloop.engine.output_state import SeqOutputState
 from kvloop.engine.outputs import CompletionOutput, RequestOutput
 from kvloop.engine.prompt_logprobs import PromptLogprobs
+from kvloop.engine.steps import Phase, StepObserver, seq_phases, step_record
 from kvloop.engine.structured import GrammarCompiler, LLMatcher
 from kvloop.errors import InvalidParamsError, ModelLoadError, PromptTooLongError
 from kvloop.kv_cache import KVCacheManager, blocks_for_sequence
@@ -263,6 +265,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.total_positions = 0
         self.num_steps = 0
+        # Who watches the loop (a TraceRecorder): told of each step and each request's
+        # arrival and abort. None costs one check per step.
+        self.observer: StepObserver | None = None
         release_free_heap()
 
     def _make_proposer(self) -> Proposer | None:
@@ -398,6 +403,8 @@ class LLMEngine:
         self.scheduler.add_request(first)
         self._seq_to_group[first_id] = group
         self._groups[request_id] = group
+        if self.observer is not None:
+            self._observe(self.observer.on_added, first_id, first.metrics.arrival_time)
         return request_id
 
     @staticmethod
@@ -419,7 +426,13 @@ class LLMEngine:
         group = self._groups.get(request_id)
         if group is None:
             return
-        self.scheduler.finish_requests(self._seq_ids(group), RequestStatus.FINISHED_ABORTED)
+        ids = self._seq_ids(group)
+        if self.observer is not None:
+            now = time.perf_counter()
+            for sid in ids:
+                if sid in self.scheduler.requests:  # not ended already
+                    self._observe(self.observer.on_aborted, sid, now)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         self._forget(group)
 
     def has_unfinished_requests(self) -> bool:
@@ -438,8 +451,12 @@ class LLMEngine:
         request's own work (detokenizing, stop checks, the beam step) fails that request.
         Either way the engine goes on serving the rest.
         """
+        start, index = time.perf_counter(), self.num_steps
         sched = self.scheduler.schedule()
+        watch = self._watch(sched) if self.observer is not None else None
         if sched.is_empty:
+            if watch is not None and sched.preempted_ids:
+                self._record_step(sched, index, start, watch, {})
             return []
         now = time.perf_counter()
         for scheduled in sched.seqs:
@@ -451,7 +468,10 @@ class LLMEngine:
         except Exception as e:
             logger.exception("the forward of step %d failed; failing its %d sequences",
                              self.num_steps, len(sched.seqs))
-            return self._fail_step(sched, e)
+            failed = self._fail_step(sched, e)
+            if watch is not None:
+                self._record_step(sched, index, start, watch, {}, repr(e))
+            return failed
         accepted = result.num_accepted()
         self.scheduler.commit(sched, accepted)
         self.total_positions += result.num_tokens
@@ -489,7 +509,36 @@ class LLMEngine:
             self._adapt_draft_lengths(sched, accepted)
         if self.proposer is not None or self.jump_forward:
             self._propose_drafts()
+        if watch is not None:
+            self._record_step(sched, index, start, watch,
+                              {rid: len(toks) for rid, toks in result.sampled.items()})
         return outputs
+
+    # -- the observer (only while one is attached) -----------------------------------------
+    def _watch(self, sched: SchedulerOutput) -> tuple[list[Phase], list[Request]]:
+        """Before the forward: each scheduled sequence's phase, and its Request (the
+        scheduler forgets the ones that finish; the record reads how they ended)."""
+        return (seq_phases(sched, self.config.use_cache),
+                [self.scheduler.requests[s.request_id] for s in sched.seqs])
+
+    def _record_step(self, sched: SchedulerOutput, index: int, start: float,
+                     watch: tuple[list[Phase], list[Request]], new_tokens: dict[str, int],
+                     error: str | None = None) -> None:
+        if self.observer is None:  # detached by a failure earlier in this step
+            return
+        pool = self.kv.pool
+        self._observe(self.observer.on_step, step_record(
+            index, start, time.perf_counter(), sched, *watch, new_tokens, pool.num_free,
+            pool.num_blocks, error))
+
+    def _observe(self, method: Callable[..., None], *args: object) -> None:
+        """Call one of the observer's methods; a bug in it is logged and detaches it, and
+        never fails a request (what it recorded so far stays with it)."""
+        try:
+            method(*args)
+        except Exception:
+            logger.exception("the step observer failed; it is detached")
+            self.observer = None
 
     def _matcher(self, seq_id: str) -> LLMatcher | None:
         group = self._seq_to_group.get(seq_id)

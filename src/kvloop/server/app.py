@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvloop.engine.async_engine import AsyncEngine
 from kvloop.engine.llm_engine import LLMEngine
+from kvloop.engine.trace import TraceRecorder
 from kvloop.server.connections import DEFAULT_MAX_HEADER_BYTES
 from kvloop.server.errors import APIError, bad_request, from_validation_error
 from kvloop.server.metrics import ServerMetrics
@@ -64,17 +65,23 @@ class ServerSettings:
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # larger request heads get 431
 
 
-def create_app(engine: LLMEngine | AsyncEngine,
-               settings: ServerSettings | None = None) -> FastAPI:
+def create_app(engine: LLMEngine | AsyncEngine, settings: ServerSettings | None = None,
+               trace: TraceRecorder | None = None) -> FastAPI:
     """An app that owns `engine` through an AsyncEngine thread, started and stopped with
     the app's lifespan. `kvloop serve` passes an AsyncEngine.build one (the model loaded on
-    the thread that runs it: see there why that matters for speed)."""
+    the thread that runs it: see there why that matters for speed).
+
+    `trace`: records the engine's steps from now on, and is written to its file when the
+    server shuts down, once the engine has stopped."""
     settings = settings or ServerSettings()
     if isinstance(engine, AsyncEngine):
         async_engine, engine = engine, engine.engine
         async_engine.max_waiting = settings.max_waiting
     else:
         async_engine = AsyncEngine(engine, settings.max_waiting)
+    if trace is not None:
+        # The engine has no request yet (the server is not started): nothing is missed.
+        engine.observer = trace
     model_name = settings.model_name or engine.checkpoint.name
     metrics = ServerMetrics(async_engine.stats)
     async_engine.observer = metrics
@@ -90,6 +97,8 @@ def create_app(engine: LLMEngine | AsyncEngine,
             yield
         finally:
             async_engine.shutdown()
+            if trace is not None:
+                _write_trace(trace)
 
     app = FastAPI(title="kvloop", version="0.1.0", lifespan=lifespan,
                   default_response_class=SafeJSONResponse)
@@ -201,3 +210,13 @@ def _document_real_responses(app: FastAPI) -> None:
         return doc
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _write_trace(trace: TraceRecorder) -> None:
+    """At shutdown: a file that cannot be written is logged; the exit stays clean."""
+    try:
+        trace.write()
+    except OSError as e:
+        logger.error("cannot write the trace %s: %s", trace.path, e.strerror or e)
+        return
+    logger.info("trace of %d engine steps written to %s", trace.num_steps, trace.path)

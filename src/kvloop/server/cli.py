@@ -17,7 +17,7 @@ from typing import Any
 
 from kvloop import runfile
 from kvloop.config import parse_size
-from kvloop.engine_flags import add_engine_flags, engine_options
+from kvloop.engine_flags import add_engine_flags, add_trace_flag, engine_options
 from kvloop.errors import KvloopError
 from kvloop.runfile import RunInfo, comparable_options, model_identity
 
@@ -73,6 +73,7 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_flags(p)
+    add_trace_flag(p, "written when the server shuts down")
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -145,6 +146,11 @@ def cmd_serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     from kvloop.server.lifecycle import build_server
 
     config = EngineConfig(**engine_options(args))  # a bad option: refused before loading
+    trace = None
+    if args.trace is not None:  # a path that cannot be written: refused before loading too
+        from kvloop.engine.trace import TraceRecorder
+
+        trace = TraceRecorder(args.trace)
     # Loaded on the engine's own thread, which then runs it (AsyncEngine.build: why).
     engine = AsyncEngine.build(lambda: LLMEngine(args.model, config))
     app = create_app(engine, ServerSettings(
@@ -153,7 +159,7 @@ def cmd_serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         default_max_tokens=args.default_max_tokens, shutdown_grace=args.shutdown_grace,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
         keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
-        max_header_bytes=args.max_header_bytes))
+        max_header_bytes=args.max_header_bytes), trace=trace)
     # SIGTERM/SIGINT drain the server (see kvloop.server.lifecycle): a clean exit, 0.
     server = build_server(app, host=args.host, port=args.port, log_level=args.log_level)
     info = RunInfo(url="", pid=os.getpid(), model=app.state.serving.model_name,
