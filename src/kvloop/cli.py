@@ -603,6 +603,13 @@ def cmd_roofline(args: argparse.Namespace) -> int:
     print(f"measured: TTFT {ttft * 1e3:,.1f} ms ({pred.ttft_s / ttft:.0%} of the compute "
           f"limit), {tpot * 1e3:,.2f} ms/token ({pred.decode_step_s / tpot:.0%} of the "
           f"bandwidth limit)")
+    # The same request's own account (kvloop.engine.attribution): the bytes charged to it
+    # step by step over its decode, and the FLOPs of all its positions.
+    rate, frac = m.decode_bytes_per_s, m.decode_bandwidth_fraction(bandwidth)
+    if rate is not None and frac is not None:
+        print(f"attributed: {m.flops / 1e9:,.3g} GFLOP, {m.weight_bytes / 1e9:,.3g} GB of "
+              f"weights and {m.kv_bytes / 1e6:,.3g} MB of KV cache read; its decode read "
+              f"{rate / 1e9:,.3g} GB/s ({frac:.0%} of the bandwidth limit)")
     return 0
 
 

@@ -49,6 +49,13 @@ class RequestMetrics:
     num_spec_steps: int = 0  # steps that verified drafts
     # Jump-forward: tokens a grammar forced that the model accepted (they ran as drafts).
     num_forced_tokens: int = 0
+    # What the request made the machine do (kvloop.engine.attribution): FLOPs, and bytes
+    # read: its share of each step's one read of the weights, and its KV cache.
+    flops: float = 0.0
+    weight_bytes: float = 0.0
+    kv_bytes: float = 0.0
+    # Weight and KV bytes of the steps after its first token: what decode_time read.
+    decode_bytes: float = 0.0
 
     @property
     def mean_accepted_length(self) -> float | None:
@@ -83,6 +90,18 @@ class RequestMetrics:
         return None if not tpot else 1.0 / tpot
 
     @property
+    def decode_bytes_per_s(self) -> float | None:
+        """The bytes its decode read per second: weights (its share) and its KV cache."""
+        t = self.decode_time
+        return self.decode_bytes / t if t > 0 else None
+
+    def decode_bandwidth_fraction(self, bandwidth: float) -> float | None:
+        """decode_bytes_per_s as a fraction of a machine's memory bandwidth (bytes/s): how
+        close its decode came to the limit a memory-bound step has."""
+        rate = self.decode_bytes_per_s
+        return None if rate is None or bandwidth <= 0 else rate / bandwidth
+
+    @property
     def e2e_latency(self) -> float | None:
         if self.finished_time is None:
             return None
@@ -103,6 +122,10 @@ class RequestMetrics:
             "accepted_tokens": self.num_accepted_tokens,
             "mean_accepted_length": self.mean_accepted_length,
             "forced_tokens": self.num_forced_tokens,
+            "flops": self.flops,
+            "weight_bytes": self.weight_bytes,
+            "kv_bytes": self.kv_bytes,
+            "decode_bytes_per_s": self.decode_bytes_per_s,
         }
 
 

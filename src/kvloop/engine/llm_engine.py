@@ -24,6 +24,7 @@ import torch
 from kvloop import kernels
 from kvloop.batch import SchedulerOutput
 from kvloop.config import EngineConfig, ModelConfig, resolve_kv_cache_dtype
+from kvloop.engine.attribution import ModelCosts
 from kvloop.engine.detokenizer import IncrementalDetokenizer
 from kvloop.engine.output_state import SeqOutputState
 from kvloop.engine.outputs import CompletionOutput, RequestOutput
@@ -265,6 +266,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self.total_positions = 0
         self.num_steps = 0
+        # What the steps cost, charged to the requests that ran in them (attribution.py);
+        # the weights' bytes read by all steps, which the requests' shares add up to.
+        self.costs = ModelCosts.of(c, self.model.decode_read_bytes(), self.kv_bytes_per_token)
+        self.weight_bytes_read = 0
         # Who watches the loop (a TraceRecorder): told of each step and each request's
         # arrival and abort. None costs one check per step.
         self.observer: StepObserver | None = None
@@ -473,6 +478,7 @@ class LLMEngine:
                 self._record_step(sched, index, start, watch, {}, repr(e))
             return failed
         accepted = result.num_accepted()
+        self._charge(sched)
         self.scheduler.commit(sched, accepted)
         self.total_positions += result.num_tokens
         self.num_steps += 1
@@ -513,6 +519,22 @@ class LLMEngine:
             self._record_step(sched, index, start, watch,
                               {rid: len(toks) for rid, toks in result.sampled.items()})
         return outputs
+
+    def _charge(self, sched: SchedulerOutput) -> None:
+        """Each sequence of a step whose forward ran gets its FLOPs and bytes (before the
+        step's tokens are appended: a request with no first token yet is still in its
+        prefill, which decode_bytes leaves out)."""
+        self.weight_bytes_read += self.costs.weight_bytes
+        for s, cost in zip(sched.seqs, self.costs.step(sched.seqs), strict=True):
+            req = self.scheduler.requests.get(s.request_id)
+            if req is None:
+                continue
+            m = req.metrics
+            m.flops += cost.flops
+            m.weight_bytes += cost.weight_bytes
+            m.kv_bytes += cost.kv_bytes
+            if m.first_token_time is not None:
+                m.decode_bytes += cost.weight_bytes + cost.kv_bytes
 
     # -- the observer (only while one is attached) -----------------------------------------
     def _watch(self, sched: SchedulerOutput) -> tuple[list[Phase], list[Request]]:

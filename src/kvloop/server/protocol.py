@@ -190,11 +190,24 @@ class PromptTokensDetails(_Out):
     cached_tokens: int = 0
 
 
+class UsageCosts(_Out):
+    """kvloop extension (`return_details`): what the request made the machine do
+    (kvloop.engine.attribution): the positions the model ran, their FLOPs, and the bytes
+    read: its share of each step's weights and its KV cache; over its decode, bytes/s."""
+
+    positions_processed: int
+    flops: float
+    weight_bytes: float
+    kv_bytes: float
+    decode_bytes_per_s: float | None = None
+
+
 class Usage(_Out):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    kvloop: UsageCosts | None = None  # only with return_details (left out otherwise)
 
 
 class CompletionLogprobs(_Out):
@@ -386,11 +399,15 @@ def dump_chunk(chunk: BaseModel) -> str:
 
 
 def dump_response(resp: BaseModel) -> dict[str, Any]:
-    """A response as JSON, without the `kvloop` extension on choices that did not ask."""
+    """A response as JSON, without the `kvloop` extension (on choices and usage) where it
+    was not asked for."""
     data: dict[str, Any] = resp.model_dump(mode="json")
     for choice in data.get("choices", []):
         if choice.get("kvloop", False) is None:
             del choice["kvloop"]
+    usage = data.get("usage")
+    if isinstance(usage, dict) and usage.get("kvloop", False) is None:
+        del usage["kvloop"]
     return data
 
 

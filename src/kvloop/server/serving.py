@@ -56,6 +56,7 @@ from kvloop.server.protocol import (
     TokenLogprob,
     TopLogprob,
     Usage,
+    UsageCosts,
     dump_chat_response,
     dump_chunk,
     dump_response,
@@ -192,7 +193,7 @@ class OpenAIServing:
                     prompt_logprobs=self._vllm_prompt_logprobs(out, req.prompt_logprobs),
                     kvloop=_details(job, c, out)))
         resp = CompletionResponse(id=job.request_id, model=self.model_name, choices=choices,
-                                  usage=_usage(finals))
+                                  usage=_usage(finals, job))
         return JSONResponse(dump_response(resp), headers=_id_header(job))
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -230,7 +231,7 @@ class OpenAIServing:
         choices = [self._chat_choice(c, plan).model_copy(update={
             "kvloop": _details(job, c, out)}) for c in out.outputs]
         resp = ChatCompletionResponse(id=job.request_id, model=self.model_name,
-                                      choices=choices, usage=_usage([out]))
+                                      choices=choices, usage=_usage([out], job))
         return JSONResponse(dump_chat_response(resp), headers=_id_header(job))
 
     def _chat_choice(self, c: CompletionOutput, plan: ToolPlan) -> ChatChoice:
@@ -519,7 +520,7 @@ class OpenAIServing:
         if include_usage:
             yield dump_chunk(CompletionResponse(
                 id=job.request_id, model=self.model_name, choices=[],
-                usage=_usage([finals[k] for k in sorted(finals)])))
+                usage=_usage([finals[k] for k in sorted(finals)], job)))
 
     def _completion_event(self, job: _Job, d: _Delta, out: RequestOutput, echo: str | None,
                           offsets: dict[int, int], top: int | None) -> str:
@@ -579,7 +580,7 @@ class OpenAIServing:
                 stop_reason=d.output.stop_reason if d.ending else None,
                 kvloop=_details(job, d.output, finals[0]) if d.ending else None)])
         if include_usage and finals:
-            yield chunk([], _usage([finals[0]]))
+            yield chunk([], _usage([finals[0]], job))
 
     # -- logprobs -------------------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:
@@ -732,13 +733,22 @@ def _details(job: _Job, c: CompletionOutput, out: RequestOutput) -> ChoiceDetail
                          score=c.score, metrics=out.metrics.as_dict())
 
 
-def _usage(finals: Sequence[RequestOutput]) -> Usage:
+def _usage(finals: Sequence[RequestOutput], job: _Job) -> Usage:
     prompt = sum(len(o.prompt_token_ids) for o in finals)
     completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
     cached = sum(o.metrics.num_cached_tokens for o in finals)
+    costs = None
+    if job.details:  # the engine's account, summed over the request's prompts
+        ms = [o.metrics for o in finals]
+        rates = [r for m in ms if (r := m.decode_bytes_per_s) is not None]
+        costs = UsageCosts(positions_processed=sum(m.positions_processed for m in ms),
+                           flops=sum(m.flops for m in ms),
+                           weight_bytes=sum(m.weight_bytes for m in ms),
+                           kv_bytes=sum(m.kv_bytes for m in ms),
+                           decode_bytes_per_s=rates[0] if len(rates) == 1 else None)
     return Usage(prompt_tokens=prompt, completion_tokens=completion,
                  total_tokens=prompt + completion,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached), kvloop=costs)
 
 
 def _id_header(job: _Job) -> dict[str, str]:
