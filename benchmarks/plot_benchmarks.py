@@ -100,12 +100,14 @@ def plot_bench_all(name: str, body: str, out: Path) -> Path | None:
                 ys.append(v)
         a.plot(xs, ys, marker="o", label=engine)
     a.set_xscale("log", base=2)
+    a.set_xticks(sorted({1, *(n for n, _ in concurrent)}))
+    a.get_xaxis().set_major_formatter("{x:.0f}")
     a.set_xlabel("concurrent requests (1: batch-1 decode)")
     a.set_ylabel("generated tokens/s")
     a.set_title("throughput against concurrency")
     a.legend(fontsize=8)
     for ax, row, label in ((b, prefill, "prefill tokens/s (512-token prompt)"),
-                           (c, fraction, "batch-1 decode, fraction of measured bandwidth")):
+                           (c, fraction, "batch-1 decode / measured bandwidth")):
         vals = [number(row[j]) if row is not None else None for j in range(1, len(engines) + 1)]
         shown = [(e, v) for e, v in zip(engines, vals, strict=True) if v is not None]
         ax.barh([e for e, _ in shown], [v for _, v in shown], color="tab:blue")
