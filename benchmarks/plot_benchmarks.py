@@ -5,10 +5,11 @@ BENCHMARKS.md. `make bench` runs it after the benchmarks.
     python benchmarks/plot_benchmarks.py [--benchmarks BENCHMARKS.md] [--out benchmarks/figures]
 
 Per `bench_all.py` section (one per model and kernel ISA): generated tokens/s against
-concurrent requests for kvloop and each peer (batch-1 decode as 1 request), prefill
-tokens/s, and the fraction of measured bandwidth a batch-1 decode reaches. The speculative
-decoding section: tokens/s per engine and setting, per table. The structured-output
-section: time per output token unconstrained, constrained and with jump-forward.
+concurrent requests for kvloop and each peer (batch-1 decode as 1 request), batch-1
+decode and prefill tokens/s, and the fraction of measured bandwidth a batch-1 decode
+reaches. The speculative decoding section: tokens/s per engine and setting, per table.
+The structured-output section: time per output token unconstrained, constrained and
+with jump-forward.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def isa_of(body: str) -> str:
 
 
 def plot_bench_all(name: str, body: str, out: Path) -> Path | None:
-    """Three panels from a bench_all table; None when the section has no such table."""
+    """Four panels from a bench_all table; None when the section has no such table."""
     import matplotlib.pyplot as plt
 
     t = next((t for t in tables(body) if t.header and t.header[0] == "figure"), None)
@@ -90,7 +91,7 @@ def plot_bench_all(name: str, body: str, out: Path) -> Path | None:
     concurrent = sorted((int(m.group(1)), r) for r in t.rows if (m := CONCURRENT.match(r[0])))
     decode, prefill = t.row("batch-1 decode"), t.row("prefill")
     fraction = t.row("decode: fraction of measured bandwidth")
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, (a, d, b, c) = plt.subplots(1, 4, figsize=(19, 4.5))
     for j, engine in enumerate(engines, start=1):
         xs, ys = [], []
         for n, row in [(1, decode), *concurrent]:
@@ -106,7 +107,8 @@ def plot_bench_all(name: str, body: str, out: Path) -> Path | None:
     a.set_ylabel("generated tokens/s")
     a.set_title("throughput against concurrency")
     a.legend(fontsize=8)
-    for ax, row, label in ((b, prefill, "prefill tokens/s (512-token prompt)"),
+    for ax, row, label in ((d, decode, "batch-1 decode tokens/s"),
+                           (b, prefill, "prefill tokens/s (512-token prompt)"),
                            (c, fraction, "batch-1 decode / measured bandwidth")):
         vals = [number(row[j]) if row is not None else None for j in range(1, len(engines) + 1)]
         shown = [(e, v) for e, v in zip(engines, vals, strict=True) if v is not None]
