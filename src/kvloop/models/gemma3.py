@@ -176,14 +176,9 @@ class Gemma3ForCausalLM(nn.Module):
         return gemma3_tensor_shapes(self.config)
 
     def decode_read_bytes(self) -> int:
-        """Weight bytes one decode step reads: every linear layer (the head included) and the
-        norms; of the embedding table only one row per token, so it is left out."""
-        norms = sum(m.scale.numel() * m.scale.element_size()
-                    for m in self.modules() if isinstance(m, GemmaRMSNorm))
-        # (The embedding's stored blocks too, if they are the tied head: not otherwise.)
-        linears = sum(int(getattr(m, "weight_bytes", 0)) for m in self.modules()
-                      if m is not self.embed_stored or m is self.lm_head)
-        return linears + norms
+        return llama.weight_read_bytes(
+            self, self.embed_stored, self.lm_head,
+            (m.scale for m in self.modules() if isinstance(m, GemmaRMSNorm)))
 
     def pack_weights(self) -> None:
         """Switch every fp32 linear layer to oneDNN's layout (after load_weights)."""

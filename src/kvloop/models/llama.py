@@ -43,6 +43,17 @@ def embed_rows(stored: nn.Module | None, table: torch.Tensor,
     return F.embedding(input_ids, table)
 
 
+def weight_read_bytes(model: nn.Module, embed_stored: nn.Module | None, lm_head: nn.Module,
+                      norms: Iterable[torch.Tensor]) -> int:
+    """Weight bytes one decode step reads, for every family: each linear layer (the head
+    included; each knows its own bytes, fp32 or quantized) and the norms' weights `norms`.
+    Of the embedding table only one row per token is read, so its stored blocks count only
+    where they are the tied head."""
+    linears = sum(int(getattr(m, "weight_bytes", 0)) for m in model.modules()
+                  if m is not embed_stored or m is lm_head)
+    return linears + sum(t.numel() * t.element_size() for t in norms)
+
+
 def _param(*shape: int) -> nn.Parameter:
     # Uninitialised: every parameter is overwritten by load_weights.
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
@@ -188,15 +199,8 @@ class LlamaForCausalLM(nn.Module):
         return llama_tensor_shapes(self.config)
 
     def decode_read_bytes(self) -> int:
-        """Weight bytes one decode step reads: every linear layer (the head included) and the
-        norms; of the embedding table only one row per token, so it is left out."""
-        norms = sum(m.weight.numel() * m.weight.element_size()
-                    for m in self.modules() if isinstance(m, RMSNorm))
-        # Every linear layer, fp32 or quantized, knows the bytes it reads.
-        # (The embedding's stored blocks too, if they are the tied head: not otherwise.)
-        linears = sum(int(getattr(m, "weight_bytes", 0)) for m in self.modules()
-                      if m is not self.embed_stored or m is self.lm_head)
-        return linears + norms
+        return weight_read_bytes(self, self.embed_stored, self.lm_head,
+                                 (m.weight for m in self.modules() if isinstance(m, RMSNorm)))
 
     def pack_weights(self) -> None:
         """Switch every fp32 linear layer to oneDNN's layout, dropping the dense weight (for
