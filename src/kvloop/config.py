@@ -57,17 +57,22 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def layer_matrix_params(self) -> int:
+        """Weights of one decoder layer's matrices (q/k/v, o, gate/up, down): the
+        multiply-adds a position costs there."""
+        d, f = self.hidden_size, self.intermediate_size
+        return d * (self.q_size + 2 * self.kv_size) + self.q_size * d + 3 * d * f
+
     def head_cost_ratio(self) -> float:
         """The head's multiply-adds for one position as a share of the layers': what
         scoring a prompt token (its logits over the vocabulary) adds to its prefill."""
-        d, f = self.hidden_size, self.intermediate_size
-        per_layer = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + 3 * d * f
-        return self.vocab_size * d / (self.num_layers * per_layer)
+        return self.vocab_size * self.hidden_size / (self.num_layers * self.layer_matrix_params)
 
     def num_params(self) -> int:
         """Parameters of the transformer (embedding counted once when tied)."""
-        d, f, L = self.hidden_size, self.intermediate_size, self.num_layers
-        per_layer = d * (self.q_size + 2 * self.kv_size) + self.q_size * d + 3 * d * f + 2 * d
+        d, L = self.hidden_size, self.num_layers
+        per_layer = self.layer_matrix_params + 2 * d  # and its two norms
         emb = self.vocab_size * d
         head = 0 if self.tie_word_embeddings else self.vocab_size * d
         return L * per_layer + emb + head + d

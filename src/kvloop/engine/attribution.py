@@ -42,11 +42,9 @@ class ModelCosts:
 
     @classmethod
     def of(cls, c: ModelConfig, weight_bytes: int, kv_bytes_per_token: int) -> ModelCosts:
-        d = c.hidden_size
-        per_layer = d * (c.q_size + 2 * c.kv_size) + c.q_size * d + 3 * d * c.intermediate_size
         return cls(weight_bytes, kv_bytes_per_token,
-                   layer_flops_per_token=2.0 * c.num_layers * per_layer,
-                   head_flops_per_row=2.0 * c.vocab_size * d,
+                   layer_flops_per_token=2.0 * c.num_layers * c.layer_matrix_params,
+                   head_flops_per_row=2.0 * c.vocab_size * c.hidden_size,
                    attn_flops_per_pair=4.0 * c.num_layers * c.num_heads * c.head_dim)
 
     def step(self, seqs: Sequence[ScheduledSeq]) -> list[SeqCost]:
