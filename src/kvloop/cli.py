@@ -29,6 +29,7 @@ from kvloop.engine_flags import (
 )
 from kvloop.errors import KvloopError, RemoteError
 from kvloop.params import SamplingParams, StructuredOutput
+from kvloop.plan_cli import add_plan_parser, cmd_plan
 from kvloop.server.cli import add_serve_parser, cmd_serve
 
 if TYPE_CHECKING:  # kvloop.client imports httpx (~80 ms): only the remote path loads it
@@ -124,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="memory bytes/s (default: measured here)")
     add_engine_flags(roof)
 
+    add_plan_parser(sub)
     add_serve_parser(sub)
 
     tok = sub.add_parser("export-tokenizer",
@@ -622,6 +624,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "roofline":
             return cmd_roofline(args)
+        if args.command == "plan":
+            return cmd_plan(args)
         if args.command == "serve":
             return cmd_serve(args, raw[raw.index("serve") + 1:])
         if args.command == "export-tokenizer":
