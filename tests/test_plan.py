@@ -86,7 +86,7 @@ def _bench_all_table() -> tuple[dict[str, float], dict[str, dict[str, float]]]:
     rows = {}
     for ln in lines[2:]:
         cells = [c.strip() for c in ln.strip("|").split("|")]
-        rows[cells[0]] = {col: float(v) for col, v in zip(columns[1:], cells[1:])
+        rows[cells[0]] = {col: float(v) for col, v in zip(columns[1:], cells[1:], strict=True)
                           if re.fullmatch(r"[\d.]+", v)}
     return {"bandwidth": float(bw[1]) * 1e9, "flops": float(fl[1]) * 1e9}, rows
 

@@ -119,7 +119,8 @@ class Cluster:
     """What one replica may use beside the roofline figures of `kvloop.roofline.Machine`."""
 
     memory: float  # bytes per machine for weights and KV cache
-    utilization: float = 0.8  # of a replica's capacity the plan fills: queues grow without bound at 1
+    # Of a replica's capacity the plan fills: at 1, queues grow without bound.
+    utilization: float = 0.8
     link_bandwidth: float | None = None  # between tensor-parallel ranks; None: not counted
     link_latency_s: float = 0.0  # per all-reduce
     overlap: bool = False  # memory and compute time overlap (max) instead of adding up
@@ -254,7 +255,7 @@ class Replica:
 def _listed(cap: int) -> list[int]:
     """Concurrencies the table shows: powers of two up to the cap, and the cap."""
     out = [b for b in (2**i for i in range(13)) if b <= cap]
-    return out + [cap] if cap and cap not in out else out
+    return [*out, cap] if cap and cap not in out else out
 
 
 def plan(model: ModelFigures, machine: Machine, cluster: Cluster, workload: Workload) -> Plan:
@@ -330,7 +331,7 @@ def report(p: Plan) -> str:
                      "met" if pt.meets_targets else "missed"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for r in rows:
-        lines.append("  ".join(c.rjust(wd) for c, wd in zip(r, widths)))
+        lines.append("  ".join(c.rjust(wd) for c, wd in zip(r, widths, strict=True)))
     if p.chosen is not None and p.replicas is not None:
         lines.append(
             f"plan: {p.replicas} replica{'s' if p.replicas > 1 else ''} x tensor parallel "
