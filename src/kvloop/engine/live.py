@@ -11,8 +11,8 @@ tuple per step and updates a few dict entries per scheduled sequence, under a lo
 for microseconds. Readers (the server's event streams) poll `snapshot` at their own pace
 and never hand the engine anything to wait on: a slow or vanished browser slows only its
 own stream. The one costly read, the block map (a pass over the whole pool), is taken on
-the engine thread at the step after a reader asked for it, so it is paid at most once
-per reader's poll, and never when nobody watches. It is also taken when the last known
+the engine thread at the step after a reader asked for it (`want_map`), so it is paid at
+most once per reader's poll, and never when nobody watches. It is also taken when the last known
 sequence finishes, so an idle pool's picture is current.
 """
 
@@ -79,6 +79,7 @@ class LiveFeed:
         self._map_wanted = False
         self.num_steps = 0
         self.version = 0  # bumped by every change: a reader with this version skips a poll
+        self.map_serial = 0  # bumped by every block map taken
 
     # -- StepObserver (the engine's thread) -----------------------------------------------
     def on_added(self, seq_id: str, arrival: float) -> None:
@@ -136,15 +137,21 @@ class LiveFeed:
         self._map_step = step
         self._map_wanted = False
         self.version += 1
+        self.map_serial += 1
 
     # -- readers (any thread) -------------------------------------------------------------
-    def snapshot(self, after_step: int = -1) -> dict[str, Any]:
-        """What changed since step `after_step` (the steps), and the state now (rows, the
-        block map as of `kv.step`, the last step's roofline). JSON-ready. Also asks the
-        engine thread for a fresh block map at its next step."""
-        now = time.perf_counter()
+    def want_map(self) -> int:
+        """Ask the engine thread for a block map at its next step; returns the serial to
+        wait past for it (a reader that waits sends a map one step old, not one poll)."""
         with self._lock:
             self._map_wanted = True
+            return self.map_serial
+
+    def snapshot(self, after_step: int = -1) -> dict[str, Any]:
+        """What changed since step `after_step` (the steps), and the state now (rows, the
+        block map as of `kv.step`, the last step's roofline). JSON-ready."""
+        now = time.perf_counter()
+        with self._lock:
             steps = [s for s in self._steps if s[0] > after_step]
             rows = [r.json(self.t0) for r in self._rows.values()]
             done = [r.json(self.t0) for r in self._finished]

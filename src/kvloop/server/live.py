@@ -18,6 +18,7 @@ import asyncio
 import hashlib
 import hmac
 import json
+import time
 from collections.abc import AsyncIterator
 from importlib import resources
 from typing import Any
@@ -100,7 +101,13 @@ async def stream_updates(feed: LiveFeed, info: dict[str, Any], draining: Any,
     cursor, version = -1, -1
     quiet = 0.0
     while not draining():
+        started = time.monotonic()
         if feed.version != version:
+            # A fresh block map, taken at the engine's next step (a running engine steps
+            # well within the interval; an idle one has its map already).
+            serial = feed.want_map()
+            while feed.map_serial == serial and time.monotonic() - started < interval:
+                await asyncio.sleep(interval / 20)
             snap = feed.snapshot(cursor)
             version = snap["version"]
             if snap["steps"]:
@@ -110,7 +117,7 @@ async def stream_updates(feed: LiveFeed, info: dict[str, Any], draining: Any,
         elif (quiet := quiet + interval) >= HEARTBEAT_S:
             yield ": idle\n\n"
             quiet = 0.0
-        await asyncio.sleep(interval)
+        await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
     yield _event({"reason": "the server is shutting down"}, "end")
 
 

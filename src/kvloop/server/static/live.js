@@ -12,6 +12,7 @@ const state = {
   requests: [],
   kv: null,
   roofline: null,
+  updates: 0,     // events received
 };
 // Tests and curious users read the page's state from here.
 window.kvloopLive = state;
@@ -60,6 +61,7 @@ function connect() {
 }
 
 function update(u) {
+  state.updates++;
   if (u.steps.length) {
     state.steps.push(...u.steps);
     if (state.steps.length > MAX_STEPS) state.steps.splice(0, state.steps.length - MAX_STEPS);
@@ -71,6 +73,7 @@ function update(u) {
   drawRequests();
   drawKV();
   drawRoofline();
+  state.version = u.version;
 }
 
 // --- the timeline -------------------------------------------------------------------------
