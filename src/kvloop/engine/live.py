@@ -31,6 +31,9 @@ from kvloop.roofline import Machine
 
 MAX_STEPS = 600  # recent steps kept (a minute of 100 ms steps) for a page that connects
 MAX_FINISHED = 64  # finished requests kept as rows
+# Rows of unfinished sequences kept at most: a sequence the engine dropped without a
+# finish reason in a step record (a pruned beam) must not grow a server's memory forever.
+MAX_ROWS = 4096
 
 
 @dataclass(slots=True)
@@ -114,6 +117,8 @@ class LiveFeed:
                 row = self._rows.get(s.seq_id)
                 if row is None:  # a forked sample or beam, first seen in a step
                     row = self._rows[s.seq_id] = _Row(s.seq_id, r.start)
+                    if len(self._rows) > MAX_ROWS:  # the oldest row goes
+                        del self._rows[next(iter(self._rows))]
                 row.phase = s.phase
                 if s.phase == "prefill":
                     row.prompt_done = s.start_pos + s.num_tokens
