@@ -87,9 +87,11 @@ def create_app(engine: LLMEngine | AsyncEngine, settings: ServerSettings | None 
     else:
         async_engine = AsyncEngine(engine, settings.max_waiting)
     # The live page's feed watches every step (a few dict updates; see kvloop.engine.live)
-    # beside the trace, if any. The engine has no request yet: nothing is missed.
+    # beside the trace and any observer the caller attached. The engine has no request
+    # yet: nothing is missed.
     feed = LiveFeed(engine.kv_block_map, machine)
-    engine.observer = feed if trace is None else StepObservers(trace, feed)
+    watchers = [o for o in (engine.observer, trace) if o is not None]
+    engine.observer = StepObservers(*watchers, feed) if watchers else feed
     model_name = settings.model_name or engine.checkpoint.name
     metrics = ServerMetrics(async_engine.stats)
     async_engine.observer = metrics
