@@ -29,10 +29,17 @@ INSTALL_HINT = ("install Debian's Chromium (`apt-get install -y chromium`, which
                 "does) and Playwright (`pip install -e '.[dev]'`); no browser is downloaded")
 
 
+@pytest.fixture(scope="module")
 def chromium() -> str:
+    """The system's Chromium ($KVLOOP_CHROMIUM, else `chromium` on PATH), looked for before
+    the server starts: where it is missing the test fails at once, saying how to install it."""
     path = os.environ.get("KVLOOP_CHROMIUM") or shutil.which("chromium")
-    if path is None:
-        pytest.fail(f"no chromium on PATH: {INSTALL_HINT}")
+    if path is None or not os.access(path, os.X_OK):
+        pytest.fail(f"no Chromium found ({path or 'chromium not on PATH'}): {INSTALL_HINT}")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        pytest.fail(f"playwright is not installed: {INSTALL_HINT}")
     return path
 
 
@@ -98,16 +105,13 @@ def page_state(page: Any) -> dict[str, Any]:
     }""")
 
 
-def test_live_page_in_chromium(server: str) -> None:
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.fail(f"playwright is not installed: {INSTALL_HINT}")
-    executable = chromium()
+def test_live_page_in_chromium(chromium: str, server: str) -> None:
+    from playwright.sync_api import sync_playwright
+
     errors: list[str] = []
     with sync_playwright() as pw:
         # --no-sandbox: CI runs as root, where Chromium's sandbox refuses to start.
-        browser = pw.chromium.launch(executable_path=executable, headless=True,
+        browser = pw.chromium.launch(executable_path=chromium, headless=True,
                                      args=["--no-sandbox"])
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
@@ -197,20 +201,6 @@ def check_the_loop_while_requests_run(page: Any, url: str) -> None:
     assert sum(len(p) > 1 for p in new_rows.values()) >= NUM_REQUESTS // 2, new_rows
     assert any("decode" in p for p in new_rows.values()), new_rows
 
-    # The grid's used count is what the engine's record of its step says, and /metrics'
-    # gauge, read as that update arrived, is the engine's count at that step or the next
-    # (one more for the time the read itself takes).
-    by_step: dict[int, int] = {}
-    for s in [*samples, page_state(page)]:
-        by_step.update((int(i), n) for i, n in s["kv_by_step"].items())
-    for s in samples:
-        assert s["used"] == by_step[s["map_step"]] == s["shown_used"], s
-    print(f"\n{len(gaps)} updates; (grid used, /metrics used, step): {gaps}")
-    for used, metric, step in gaps:
-        near = [by_step[i] for i in range(step, step + 3) if i in by_step]
-        assert metric in near, (used, metric, step, near)
-    assert sum(used == metric for used, metric, _ in gaps) >= len(gaps) // 2, gaps
-
     # Finished: every block free or cached, on the page as in /metrics.
     deadline = time.monotonic() + 10
     while True:
@@ -221,3 +211,18 @@ def check_the_loop_while_requests_run(page: Any, url: str) -> None:
         time.sleep(0.1)
     assert state["free"] + state["cached"] == state["total"] > 0
     assert all(p == "finished" for rid, p in state["rows"].items())
+
+    # (Checked once the page holds every step's record, the last ones included.)
+    # The grid's used count is what the engine's record of its step says, and /metrics'
+    # gauge, read as that update arrived, is the engine's count at that step or the next
+    # (one more for the time the read itself takes).
+    by_step: dict[int, int] = {}
+    for s in [*samples, state]:
+        by_step.update((int(i), n) for i, n in s["kv_by_step"].items())
+    for s in samples:
+        assert s["used"] == by_step[s["map_step"]] == s["shown_used"], s
+    print(f"\n{len(gaps)} updates; (grid used, /metrics used, step): {gaps}")
+    for used, metric, step in gaps:
+        near = [by_step[i] for i in range(step, step + 3) if i in by_step]
+        assert metric in near, (used, metric, step, near)
+    assert sum(used == metric for used, metric, _ in gaps) >= len(gaps) // 2, gaps
