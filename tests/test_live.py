@@ -197,6 +197,31 @@ def test_observers_fan_out() -> None:
     assert a.num_steps == b.num_steps == 1
 
 
+def test_an_engine_reset_ends_its_rows(tiny_model_dir: Path) -> None:
+    """The async engine's supervisor resets the engine after a failed loop: the feed
+    hears that its sequences ended (as aborts), so no row stays running forever."""
+    engine = LLMEngine(str(tiny_model_dir), EngineConfig(kv_cache_memory="8MiB"))
+    feed = LiveFeed(engine.kv_block_map)
+    engine.observer = feed
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=8))
+    engine.step()
+    assert [r["phase"] for r in feed.snapshot()["requests"]] == ["prefill"]
+    engine.reset()
+    assert [(r["phase"], r["finish_reason"]) for r in feed.snapshot()["requests"]] == [
+        ("finished", "abort")]
+
+
+def test_serve_measure_machine_flag() -> None:
+    import argparse
+
+    from kvloop.server.cli import add_serve_parser
+
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    assert parser.parse_args(["serve", "--measure-machine"]).measure_machine is True
+    assert parser.parse_args(["serve"]).measure_machine is False
+
+
 # --- the server --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir: Path) -> Iterator[tuple[BackgroundServer, BackgroundServer]]:

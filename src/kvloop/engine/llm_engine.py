@@ -321,6 +321,10 @@ class LLMEngine:
 
         For recovery after a failure that left the bookkeeping in an unknown state (the
         async engine's supervisor): callers must already have failed the requests."""
+        if self.observer is not None:  # its sequences end here: a watcher must not keep them
+            now = time.perf_counter()
+            for seq_id in list(self._seq_to_group):
+                self._observe(self.observer.on_aborted, seq_id, now)
         self._new_scheduler()
         self.runner.reset()
         if self.proposer is not None:
