@@ -226,3 +226,43 @@ def check_the_loop_while_requests_run(page: Any, url: str) -> None:
         near = [by_step[i] for i in range(step, step + 3) if i in by_step]
         assert metric in near, (used, metric, step, near)
     assert sum(used == metric for used, metric, _ in gaps) >= len(gaps) // 2, gaps
+
+
+def test_keyed_page_login_and_prompt_in_chromium(chromium: str, tiny_model_dir: Path) -> None:
+    """With an API key: the browser is sent to the key form, the form opens the page, and
+    the page sends its prompt to /v1 with the key (a tiny model, in-process)."""
+    from playwright.sync_api import sync_playwright
+
+    from kvloop.config import EngineConfig
+    from kvloop.engine.llm_engine import LLMEngine
+    from kvloop.server.app import ServerSettings, create_app
+    from kvloop.server.background import BackgroundServer
+
+    engine = LLMEngine(str(tiny_model_dir), EngineConfig(kv_cache_memory="8MiB"))
+    app = create_app(engine, ServerSettings(model_name="tiny", api_key="page-key"))
+    errors: list[str] = []
+    with BackgroundServer(app) as server, sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, headless=True,
+                                     args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(server.url)
+            assert page.url.endswith("/live/login")
+            page.fill("#key", "page-key")
+            page.click("button[type=submit]")
+            page.wait_for_selector("#status.live", timeout=15_000)
+            assert page.is_visible("#api-key")  # the key field, filled from the form
+            assert page.input_value("#api-key") == "page-key"
+            page.select_option("#mode", "completion")
+            page.fill("#prompt", "one two three")
+            page.fill("#max_tokens", "8")
+            page.click("#send")
+            page.wait_for_function("document.getElementById('reply').dataset.done === '1'",
+                                   timeout=30_000)
+            assert "error" not in (page.get_attribute("#reply", "class") or "")
+            assert page.inner_text("#reply").strip()
+        finally:
+            browser.close()
+    assert errors == [], f"console errors: {errors}"
