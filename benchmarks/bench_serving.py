@@ -67,6 +67,7 @@ class RunResult:
     duration: float
     results: list[RequestResult]
     server: dict[str, float]
+    live_events: int | None = None  # live-page updates read during the run (None: no page)
 
     @property
     def ok(self) -> list[RequestResult]:
@@ -152,8 +153,20 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict,
     return res
 
 
+async def watch_live_page(url: str, headers: dict[str, str], seen: list[int]) -> None:
+    """What a browser on the live page does to the server: read /live/events and parse
+    each update, until cancelled. `seen[0]` counts the updates."""
+    async with httpx.AsyncClient(base_url=url, timeout=None, headers=headers) as client, \
+            client.stream("GET", "/live/events") as r:
+        r.raise_for_status()
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                json.loads(line[len("data: "):])
+                seen[0] += 1
+
+
 async def run(url: str, bodies: list[dict], args: argparse.Namespace, concurrency: int,
-              headers: dict[str, str]) -> RunResult:
+              headers: dict[str, str], live: bool = False) -> RunResult:
     chat = args.endpoint == "chat"
     path = "/v1/chat/completions" if chat else "/v1/completions"
     sem = asyncio.Semaphore(concurrency)
@@ -166,6 +179,8 @@ async def run(url: str, bodies: list[dict], args: argparse.Namespace, concurrenc
                 return await one_request(client, path, body, chat)
 
         before = scrape(httpx.get(f"{url}/metrics", timeout=10).text)
+        seen = [0]
+        watcher = asyncio.create_task(watch_live_page(url, headers, seen)) if live else None
         tasks = []
         t0 = time.perf_counter()
         for body in bodies:
@@ -174,10 +189,15 @@ async def run(url: str, bodies: list[dict], args: argparse.Namespace, concurrenc
                 await asyncio.sleep(rng.expovariate(args.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
+        if watcher is not None:
+            if watcher.done():  # it failed (no live page on that server?): say why
+                watcher.result()
+            watcher.cancel()
         after = scrape(httpx.get(f"{url}/metrics", timeout=10).text)
     # Counters over this run only; the hit rate is the server's running figure.
     server = {k: v - before.get(k, 0.0) if k.endswith("_total") else v for k, v in after.items()}
-    return RunResult(concurrency, duration, list(results), server)
+    return RunResult(concurrency, duration, list(results), server,
+                     seen[0] if live else None)
 
 
 def make_body(args: argparse.Namespace, prompt: list[int], tok: Tokenizer) -> dict:
@@ -270,7 +290,8 @@ def report(runs: list[RunResult], args: argparse.Namespace, model: str,
         f"--max-concurrency {' '.join(map(str, args.max_concurrency))} --input-len "
         f"{args.input_len} --output-len {args.output_len} --endpoint {args.endpoint}"
         f"{f' --request-rate {args.request_rate:g}' if math.isfinite(args.request_rate) else ''}"
-        f"{f' --model {args.model}' if args.model else ''}` on "
+        f"{f' --model {args.model}' if args.model else ''}"
+        f"{f' --live-page {args.live_page}' if args.live_page != 'off' else ''}` on "
         f"{machine_line()}. {args.num_prompts} requests per row ({rate}, at most the given "
         f"number in flight), prompts of {args.input_len} tokens +-25 %, {args.output_len} "
         "generated tokens each (EOS ignored, greedy), streamed over HTTP on loopback; client "
@@ -286,11 +307,12 @@ def report(runs: list[RunResult], args: argparse.Namespace, model: str,
     ]
     for r in runs:
         s = r.summary()
-        off = offline_runs.get(r.concurrency)
+        off = offline_runs.get(r.concurrency) if r.live_events is None else None
         tail = (f"{off.output_tok_per_s:.1f} | {off.tpot_p50_ms:.1f} | "
                 f"{s['tpot_p50_ms'] / off.tpot_p50_ms:.2f}x" if off else "- | - | -")
+        label = f"{r.concurrency}{' (live page open)' if r.live_events is not None else ''}"
         lines.append(
-            f"| {r.concurrency} | {s['req_per_s']:.2f} | {s['output_tok_per_s']:.1f} | "
+            f"| {label} | {s['req_per_s']:.2f} | {s['output_tok_per_s']:.1f} | "
             f"{s['ttft_p50_ms']:.0f} / {s['ttft_p99_ms']:.0f} | "
             f"{s['tpot_p50_ms']:.1f} / {s['tpot_p99_ms']:.1f} | "
             f"{s['itl_p50_ms']:.1f} / {s['itl_p99_ms']:.1f} | {s['e2e_p50_ms']:.0f} | "
@@ -316,6 +338,10 @@ def main() -> None:
     ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     ap.add_argument("--kv-cache-memory", default="2GiB", help="for the server started here")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--live-page", choices=["off", "on", "both"], default="off",
+                    help="read the server's live page events (/live/events) during each run, "
+                         "as a browser would; 'both': each concurrency without, then with "
+                         "it, and their output tok/s ratio (the page's overhead)")
     ap.add_argument("--write", type=Path, default=None,
                     help="write the table into this file (section bench-serving)")
     args = ap.parse_args()
@@ -332,15 +358,22 @@ def main() -> None:
         # Warm-up: the first request pays one-off costs (allocations, kernel choices).
         asyncio.run(run(url, bodies[:1], args, 1, headers))
         runs = []
-        for c in args.max_concurrency:
-            r = asyncio.run(run(url, bodies, args, c, headers))
+        pages = {"off": [False], "on": [True], "both": [False, True]}[args.live_page]
+        for c, live in [(c, live) for c in args.max_concurrency for live in pages]:
+            r = asyncio.run(run(url, bodies, args, c, headers, live))
             runs.append(r)
             s = r.summary()
-            print(f"concurrency {c:3d}: {s['completed']:.0f} ok, {s['failed']:.0f} failed, "
+            page = f" [live page: {r.live_events} updates]" if live else ""
+            print(f"concurrency {c:3d}{page}: {s['completed']:.0f} ok, {s['failed']:.0f} failed, "
                   f"{s['req_per_s']:.2f} req/s, {s['output_tok_per_s']:.1f} output tok/s, "
                   f"TTFT p50 {s['ttft_p50_ms']:.0f} ms p99 {s['ttft_p99_ms']:.0f} ms, "
                   f"TPOT p50 {s['tpot_p50_ms']:.1f} ms, ITL p50 {s['itl_p50_ms']:.1f} ms "
                   f"p99 {s['itl_p99_ms']:.1f} ms", flush=True)
+            if live and len(pages) == 2:
+                base = runs[-2].summary()["output_tok_per_s"]
+                ratio = s["output_tok_per_s"] / base
+                print(f"  live page open: {ratio:.3f}x the output tok/s of the run without it "
+                      f"({(ratio - 1) * 100:+.1f} %)", flush=True)
             errors = [x.error for x in r.results if not x.ok]
             if errors:
                 print(f"  first error: {errors[0]}", flush=True)

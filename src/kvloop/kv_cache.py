@@ -212,6 +212,23 @@ class KVCacheStats:
         return tuple(n * self.bytes_per_block for n in self.seq_blocks)
 
 
+@dataclass(frozen=True, slots=True)
+class BlockMap:
+    """What each block of the pool holds now, for pictures of the pool (the live page):
+    one pass over the pool, taken only when someone watches, never on the hot path."""
+
+    # Per block: "f" free, "c" free but still cached (a prefix hit can revive it until it
+    # is evicted), "u" held by one sequence, "s" shared (a prefix hit or a fork).
+    states: str
+    # Per block: the first sequence whose table holds it ("" when free).
+    owners: tuple[str, ...]
+    bytes_per_block: int
+
+    @property
+    def num_used(self) -> int:
+        return len(self.states) - self.states.count("f") - self.states.count("c")
+
+
 class CachedPrefix(list[Block]):
     """Prefix-cache hits: the list holds group 0's blocks (as for a one-group cache);
     `groups` every group's table for the hit (None where a sliding group need not keep
@@ -312,6 +329,19 @@ class KVCacheManager:
         return KVCacheStats(self.pool.num_blocks, self.pool.num_free,
                             self.prefix_queries, self.prefix_hits, self.bytes_per_block,
                             self.kv_dtype, seq_blocks, self.pool.num_resident)
+
+    def block_map(self) -> BlockMap:
+        """Every block's state and first owner (see BlockMap)."""
+        owners = [""] * self.pool.num_blocks
+        for request_id, table in self._tables.items():
+            for blocks in table.groups:
+                for b in blocks:
+                    if b is not None and not owners[b.block_id]:
+                        owners[b.block_id] = request_id
+        states = "".join(
+            ("s" if b.ref_count > 1 else "u") if b.ref_count
+            else ("c" if b.block_hash is not None else "f") for b in self.pool.blocks)
+        return BlockMap(states, tuple(owners), self.bytes_per_block)
 
     def find_cached_prefix(self, request: Request) -> CachedPrefix:
         """Leading full blocks of the request's tokens already in the cache.

@@ -32,7 +32,7 @@ from kvloop.engine.prompt_logprobs import PromptLogprobs
 from kvloop.engine.steps import Phase, StepObserver, seq_phases, step_record
 from kvloop.engine.structured import GrammarCompiler, LLMatcher
 from kvloop.errors import InvalidParamsError, ModelLoadError, PromptTooLongError
-from kvloop.kv_cache import KVCacheManager, blocks_for_sequence
+from kvloop.kv_cache import BlockMap, KVCacheManager, blocks_for_sequence
 from kvloop.loading.layout_cache import LayoutCache, cache_dir
 from kvloop.loading.loader import Checkpoint, load_checkpoint
 from kvloop.loading.tokenizer import Tokenizer
@@ -321,6 +321,10 @@ class LLMEngine:
 
         For recovery after a failure that left the bookkeeping in an unknown state (the
         async engine's supervisor): callers must already have failed the requests."""
+        if self.observer is not None:  # its sequences end here: a watcher must not keep them
+            now = time.perf_counter()
+            for seq_id in list(self._seq_to_group):
+                self._observe(self.observer.on_aborted, seq_id, now)
         self._new_scheduler()
         self.runner.reset()
         if self.proposer is not None:
@@ -446,6 +450,10 @@ class LLMEngine:
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()
 
+    def kv_block_map(self) -> BlockMap:
+        """Every KV block's state and owner now: for a step observer, on this thread."""
+        return self.kv.block_map()
+
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One transaction: the scheduler proposes, the runner executes, then the scheduler
@@ -478,7 +486,7 @@ class LLMEngine:
                 self._record_step(sched, index, start, watch, {}, repr(e))
             return failed
         accepted = result.num_accepted()
-        self._charge(sched)
+        cost = self._charge(sched)
         self.scheduler.commit(sched, accepted)
         self.total_positions += result.num_tokens
         self.num_steps += 1
@@ -517,15 +525,20 @@ class LLMEngine:
             self._propose_drafts()
         if watch is not None:
             self._record_step(sched, index, start, watch,
-                              {rid: len(toks) for rid, toks in result.sampled.items()})
+                              {rid: len(toks) for rid, toks in result.sampled.items()},
+                              cost=cost)
         return outputs
 
-    def _charge(self, sched: SchedulerOutput) -> None:
+    def _charge(self, sched: SchedulerOutput) -> tuple[float, float, float]:
         """Each sequence of a step whose forward ran gets its FLOPs and bytes (before the
         step's tokens are appended: a request with no first token yet is still in its
-        prefill, which decode_bytes leaves out)."""
+        prefill, which decode_bytes leaves out). Returns the step's (FLOPs, weight bytes,
+        KV bytes), for the step observer's roofline."""
         self.weight_bytes_read += self.costs.weight_bytes
+        flops = kv_bytes = 0.0
         for s, cost in zip(sched.seqs, self.costs.step(sched.seqs), strict=True):
+            flops += cost.flops
+            kv_bytes += cost.kv_bytes
             req = self.scheduler.requests.get(s.request_id)
             if req is None:
                 continue
@@ -535,6 +548,7 @@ class LLMEngine:
             m.kv_bytes += cost.kv_bytes
             if m.first_token_time is not None:
                 m.decode_bytes += cost.weight_bytes + cost.kv_bytes
+        return flops, float(self.costs.weight_bytes), kv_bytes
 
     # -- the observer (only while one is attached) -----------------------------------------
     def _watch(self, sched: SchedulerOutput) -> tuple[list[Phase], list[Request]]:
@@ -545,13 +559,14 @@ class LLMEngine:
 
     def _record_step(self, sched: SchedulerOutput, index: int, start: float,
                      watch: tuple[list[Phase], list[Request]], new_tokens: dict[str, int],
-                     error: str | None = None) -> None:
+                     error: str | None = None,
+                     cost: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> None:
         if self.observer is None:  # detached by a failure earlier in this step
             return
         pool = self.kv.pool
         self._observe(self.observer.on_step, step_record(
             index, start, time.perf_counter(), sched, *watch, new_tokens, pool.num_free,
-            pool.num_blocks, error))
+            pool.num_blocks, error, cost))
 
     def _observe(self, method: Callable[..., None], *args: object) -> None:
         """Call one of the observer's methods; a bug in it is logged and detaches it, and

@@ -45,6 +45,11 @@ class StepRecord:
     kv_blocks_used: int  # after the step (finished sequences' blocks already free)
     kv_blocks_free: int
     error: str | None = None  # the forward raised: every sequence of the step failed
+    # What the step cost the machine, as engine/attribution.py counts it (0 when the
+    # forward raised): the roofline of this one step.
+    flops: float = 0.0
+    weight_bytes: float = 0.0  # the weights, read once for the whole batch
+    kv_bytes: float = 0.0  # the KV cache the step's attention read
 
     @property
     def num_prefill_tokens(self) -> int:
@@ -76,6 +81,27 @@ class StepObserver(Protocol):
         """A sequence was aborted between steps (a client left, a caller gave up)."""
 
 
+class StepObservers:
+    """Several observers behind the engine's one `observer` slot (a trace file and the
+    live page at once), called in order. A bug in one detaches all of them, as the
+    engine does for one: they are the process's own code, not plug-ins."""
+
+    def __init__(self, *observers: StepObserver) -> None:
+        self.observers = observers
+
+    def on_added(self, seq_id: str, arrival: float) -> None:
+        for o in self.observers:
+            o.on_added(seq_id, arrival)
+
+    def on_step(self, record: StepRecord) -> None:
+        for o in self.observers:
+            o.on_step(record)
+
+    def on_aborted(self, seq_id: str, when: float) -> None:
+        for o in self.observers:
+            o.on_aborted(seq_id, when)
+
+
 def seq_phases(sched: SchedulerOutput, use_cache: bool) -> list[Phase]:
     """Per scheduled sequence (in `sched.seqs` order), before the forward runs.
 
@@ -97,12 +123,14 @@ def _phase(s: ScheduledSeq, use_cache: bool) -> Phase:
 def step_record(index: int, start: float, end: float, sched: SchedulerOutput,
                 phases: Sequence[Phase], requests: Sequence[Request],
                 new_tokens: Mapping[str, int], kv_blocks_free: int, kv_blocks: int,
-                error: str | None = None) -> StepRecord:
+                error: str | None = None,
+                cost: tuple[float, float, float] = (0.0, 0.0, 0.0)) -> StepRecord:
     """The record of a step whose forward has run (or raised, `error`): `requests` are
-    the scheduled sequences' Request objects, read now for how each one ended."""
+    the scheduled sequences' Request objects, read now for how each one ended; `cost`
+    the step's (flops, weight bytes, KV bytes)."""
     seqs = tuple(
         SeqStep(s.request_id, phase, s.start_pos, s.num_tokens, s.num_draft,
                 new_tokens.get(s.request_id, 0), req.finish_reason)
         for s, phase, req in zip(sched.seqs, phases, requests, strict=True))
     return StepRecord(index, start, end, seqs, tuple(sched.preempted_ids),
-                      kv_blocks - kv_blocks_free, kv_blocks_free, error)
+                      kv_blocks - kv_blocks_free, kv_blocks_free, error, *cost)

@@ -20,10 +20,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvloop.engine.async_engine import AsyncEngine
+from kvloop.engine.live import LiveFeed
 from kvloop.engine.llm_engine import LLMEngine
+from kvloop.engine.steps import StepObservers
 from kvloop.engine.trace import TraceRecorder
+from kvloop.roofline import Machine
 from kvloop.server.connections import DEFAULT_MAX_HEADER_BYTES
 from kvloop.server.errors import APIError, bad_request, from_validation_error
+from kvloop.server.live import COOKIE as LIVE_COOKIE
+from kvloop.server.live import add_live_routes, is_page_path, page_token
 from kvloop.server.metrics import ServerMetrics
 from kvloop.server.middleware import (
     APIKeyMiddleware,
@@ -66,22 +71,27 @@ class ServerSettings:
 
 
 def create_app(engine: LLMEngine | AsyncEngine, settings: ServerSettings | None = None,
-               trace: TraceRecorder | None = None) -> FastAPI:
+               trace: TraceRecorder | None = None, machine: Machine | None = None) -> FastAPI:
     """An app that owns `engine` through an AsyncEngine thread, started and stopped with
     the app's lifespan. `kvloop serve` passes an AsyncEngine.build one (the model loaded on
     the thread that runs it: see there why that matters for speed).
 
     `trace`: records the engine's steps from now on, and is written to its file when the
-    server shuts down, once the engine has stopped."""
+    server shuts down, once the engine has stopped. `machine`: the measured FLOP/s and
+    bandwidth the live page's roofline gauge compares each step with (None: "not
+    measured")."""
     settings = settings or ServerSettings()
     if isinstance(engine, AsyncEngine):
         async_engine, engine = engine, engine.engine
         async_engine.max_waiting = settings.max_waiting
     else:
         async_engine = AsyncEngine(engine, settings.max_waiting)
-    if trace is not None:
-        # The engine has no request yet (the server is not started): nothing is missed.
-        engine.observer = trace
+    # The live page's feed watches every step (a few dict updates; see kvloop.engine.live)
+    # beside the trace and any observer the caller attached. The engine has no request
+    # yet: nothing is missed.
+    feed = LiveFeed(engine.kv_block_map, machine)
+    watchers = [o for o in (engine.observer, trace) if o is not None]
+    engine.observer = StepObservers(*watchers, feed) if watchers else feed
     model_name = settings.model_name or engine.checkpoint.name
     metrics = ServerMetrics(async_engine.stats)
     async_engine.observer = metrics
@@ -134,7 +144,9 @@ def create_app(engine: LLMEngine | AsyncEngine, settings: ServerSettings | None 
     # Added last = outermost: the key is checked before a byte of the body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key,
+                           page_paths=is_page_path, cookie=LIVE_COOKIE,
+                           page_token=page_token(settings.api_key), login_path="/live/login")
 
     # -- routes -------------------------------------------------------------------------------
     @app.get("/health", responses={200: {"content": {"application/json": {"schema": {
@@ -166,6 +178,17 @@ def create_app(engine: LLMEngine | AsyncEngine, settings: ServerSettings | None 
     @app.post("/v1/chat/completions", responses=_v1_responses(ChatCompletionResponse))
     async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat(req, raw)
+
+    kv = engine.stats().kv
+    add_live_routes(app, feed, {
+        "model": model_name, "max_model_len": engine.max_model_len,
+        "num_blocks": kv.num_blocks, "block_size": engine.config.block_size,
+        "bytes_per_block": kv.bytes_per_block, "kv_dtype": kv.kv_dtype,
+        "api_key_required": settings.api_key is not None,
+        "machine": None if machine is None else {"flops": machine.flops,
+                                                 "bandwidth": machine.bandwidth}},
+        draining=lambda: serving.draining, api_key=settings.api_key)
+    app.state.live_feed = feed
 
     _document_real_responses(app)
     return app

@@ -39,7 +39,7 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
                    help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1 routes "
+                   help=f"require 'Authorization: Bearer KEY' on /v1 routes and the live page "
                         f"(default: ${API_KEY_ENV} if set)")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the checkpoint's name)")
@@ -72,6 +72,10 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
                         "return once it answers; `kvloop ps` lists it, `kvloop stop` ends it")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--measure-machine", action="store_true",
+                   help="measure this machine's FLOP/s and memory bandwidth at start (a "
+                        "few seconds), for the live page's roofline gauge (without it the "
+                        "page says 'not measured')")
     add_engine_flags(p)
     add_trace_flag(p, "written when the server shuts down")
 
@@ -81,7 +85,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     p: argparse.ArgumentParser = subparsers.add_parser(
         "serve", help="an OpenAI-compatible HTTP server",
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health "
-                    "and /metrics. Concurrent requests join one continuous batch.")
+                    "and /metrics, and a live page of the engine's loop at /. Concurrent "
+                    "requests join one continuous batch.")
     _add_flags(p)
     return p
 
@@ -151,6 +156,12 @@ def cmd_serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         from kvloop.engine.trace import TraceRecorder
 
         trace = TraceRecorder(args.trace)
+    machine = None
+    if args.measure_machine:
+        from kvloop.engine.machine import measure_machine
+
+        machine = measure_machine()
+        log.info("measured %s for the live page's roofline", machine.describe())
     # Loaded on the engine's own thread, which then runs it (AsyncEngine.build: why).
     engine = AsyncEngine.build(lambda: LLMEngine(args.model, config))
     app = create_app(engine, ServerSettings(
@@ -159,7 +170,7 @@ def cmd_serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         default_max_tokens=args.default_max_tokens, shutdown_grace=args.shutdown_grace,
         header_timeout=args.header_timeout, body_timeout=args.body_timeout,
         keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
-        max_header_bytes=args.max_header_bytes), trace=trace)
+        max_header_bytes=args.max_header_bytes), trace=trace, machine=machine)
     # SIGTERM/SIGINT drain the server (see kvloop.server.lifecycle): a clean exit, 0.
     server = build_server(app, host=args.host, port=args.port, log_level=args.log_level)
     info = RunInfo(url="", pid=os.getpid(), model=app.state.serving.model_name,

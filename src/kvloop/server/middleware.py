@@ -1,12 +1,15 @@
-"""Two gates every request passes before any route runs: the API key (on /v1 routes only)
-and the body-size limit. Plain ASGI, so a refused body is never parsed, nor read past
+"""Two gates every request passes before any route runs: the API key (on /v1 and the live
+page) and the body-size limit. Plain ASGI, so a refused body is never parsed, nor read past
 the limit. And one net under the routes: a bug is one failed request, logged once."""
 
 from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Callable
+from http.cookies import CookieError, SimpleCookie
 
+from starlette.responses import RedirectResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvloop.server.errors import APIError
@@ -23,24 +26,60 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 class APIKeyMiddleware:
     """`Authorization: Bearer KEY` on every path under `prefix`; /health and /metrics stay
-    open so probes and scrapers need no secret."""
+    open so probes and scrapers need no secret.
 
-    def __init__(self, app: ASGIApp, api_key: str, prefix: str = "/v1") -> None:
+    The live page's paths (`page_paths(path)` true) are guarded by the same key, and also
+    accept the cookie `cookie` = `page_token` that the page's key form sets: a browser
+    cannot send a header when it opens a URL. A browser opening the page without it is
+    sent to `login_path`."""
+
+    def __init__(self, app: ASGIApp, api_key: str, prefix: str = "/v1",
+                 page_paths: Callable[[str], bool] | None = None, cookie: str = "",
+                 page_token: str = "", login_path: str = "") -> None:
         self.app = app
         self.key = api_key.encode()
         self.prefix = prefix
+        self.page_paths = page_paths
+        self.cookie = cookie
+        self.page_token = page_token.encode()
+        self.login_path = login_path
+
+    def _bearer_ok(self, scope: Scope) -> bool:
+        scheme, _, token = (_header(scope, b"authorization") or b"").partition(b" ")
+        # compare_digest: the time taken must not tell how much of a guess was right.
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)
+
+    def _cookie_ok(self, scope: Scope) -> bool:
+        jar = SimpleCookie()
+        try:
+            jar.load((_header(scope, b"cookie") or b"").decode("latin-1"))
+        except CookieError:
+            return False
+        morsel = jar.get(self.cookie)
+        return morsel is not None and hmac.compare_digest(morsel.value.encode(),
+                                                          self.page_token)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(self.prefix):
-            scheme, _, token = (_header(scope, b"authorization") or b"").partition(b" ")
-            # compare_digest: the time taken must not tell how much of a guess was right.
-            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)):
-                error = APIError(401, "missing or invalid API key (send Authorization: "
-                                 "Bearer KEY)", "authentication_error", code="invalid_api_key",
-                                 headers={"WWW-Authenticate": "Bearer"})
-                await error.response()(scope, receive, send)
+        if scope["type"] == "http":
+            path = scope["path"]
+            page = self.page_paths is not None and self.page_paths(path)
+            if page and not (self._bearer_ok(scope) or self._cookie_ok(scope)):
+                if path == "/" and scope.get("method") == "GET" and self.login_path:
+                    await RedirectResponse(self.login_path, status_code=303)(
+                        scope, receive, send)
+                    return
+                await _unauthorized().response()(scope, receive, send)
+                return
+            if path.startswith(self.prefix) and not self._bearer_ok(scope):
+                await _unauthorized().response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _unauthorized() -> APIError:
+    return APIError(401, "missing or invalid API key (send Authorization: Bearer KEY)",
+                    "authentication_error", code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"})
 
 
 class BodyLimitMiddleware:
