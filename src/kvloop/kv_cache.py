@@ -58,6 +58,23 @@ def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent_hash, token_ids))
 
 
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int,
+                        max_blocks: int | None = None) -> list[int]:
+    """The chain hashes of the prompt's leading full blocks, as the prefix cache keys them
+    (at most `max_blocks`): what a router in front of several engines compares to send a
+    prompt where its prefix is likely cached. Like the cache's lookup, the last token is
+    never part of a hashed block (its logits must be computed)."""
+    n = (len(token_ids) - 1) // block_size
+    if max_blocks is not None:
+        n = min(n, max_blocks)
+    hashes: list[int] = []
+    parent: int | None = None
+    for i in range(n):
+        parent = chain_hash(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
+        hashes.append(parent)
+    return hashes
+
+
 class BlockPool:
     """All blocks; free ones (ref_count 0) in an LRU queue, cached ones in a hash map
     per KV cache group.

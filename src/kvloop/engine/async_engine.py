@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvloop.engine.client import ReplicaLoad
 from kvloop.engine.llm_engine import LLMEngine
 from kvloop.engine.outputs import RequestOutput
 from kvloop.params import SamplingParams
@@ -204,6 +205,10 @@ class AsyncEngine:
         """The engine's figures as of its last step, add or abort (a snapshot: the engine
         itself must not be touched from another thread)."""
         return self._stats
+
+    def replica_loads(self) -> list[ReplicaLoad]:
+        """One in-process engine has no replicas to report (EngineClient)."""
+        return []
 
     def num_queued(self) -> int:
         """Sequences accepted but not yet running: in the inbox or the engine's queue."""

@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvloop.engine.async_engine import AsyncEngine
+from kvloop.engine.client import EngineClient
 from kvloop.engine.live import LiveFeed
 from kvloop.engine.llm_engine import LLMEngine
 from kvloop.engine.steps import StepObservers
@@ -70,22 +71,24 @@ class ServerSettings:
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # larger request heads get 431
 
 
-def create_app(engine: LLMEngine | AsyncEngine, settings: ServerSettings | None = None,
+def create_app(engine: LLMEngine | EngineClient, settings: ServerSettings | None = None,
                trace: TraceRecorder | None = None, machine: Machine | None = None) -> FastAPI:
-    """An app that owns `engine` through an AsyncEngine thread, started and stopped with
-    the app's lifespan. `kvloop serve` passes an AsyncEngine.build one (the model loaded on
-    the thread that runs it: see there why that matters for speed).
+    """An app that owns `engine` through an AsyncEngine thread (or any EngineClient, such
+    as kvloop.cluster's replicas), started and stopped with the app's lifespan. `kvloop
+    serve` passes an AsyncEngine.build one (the model loaded on the thread that runs it:
+    see there why that matters for speed).
 
     `trace`: records the engine's steps from now on, and is written to its file when the
     server shuts down, once the engine has stopped. `machine`: the measured FLOP/s and
     bandwidth the live page's roofline gauge compares each step with (None: "not
     measured")."""
     settings = settings or ServerSettings()
-    if isinstance(engine, AsyncEngine):
+    async_engine: EngineClient
+    if isinstance(engine, LLMEngine):
+        async_engine = AsyncEngine(engine, settings.max_waiting)
+    else:  # an AsyncEngine, or replicas behind a router (kvloop.cluster): the same face
         async_engine, engine = engine, engine.engine
         async_engine.max_waiting = settings.max_waiting
-    else:
-        async_engine = AsyncEngine(engine, settings.max_waiting)
     # The live page's feed watches every step (a few dict updates; see kvloop.engine.live)
     # beside the trace and any observer the caller attached. The engine has no request
     # yet: nothing is missed.
@@ -93,7 +96,7 @@ def create_app(engine: LLMEngine | AsyncEngine, settings: ServerSettings | None 
     watchers = [o for o in (engine.observer, trace) if o is not None]
     engine.observer = StepObservers(*watchers, feed) if watchers else feed
     model_name = settings.model_name or engine.checkpoint.name
-    metrics = ServerMetrics(async_engine.stats)
+    metrics = ServerMetrics(async_engine.stats, async_engine.replica_loads)
     async_engine.observer = metrics
     serving = OpenAIServing(async_engine, model_name, settings.max_prompts_per_request,
                             settings.default_max_tokens)

@@ -76,6 +76,18 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
                    help="measure this machine's FLOP/s and memory bandwidth at start (a "
                         "few seconds), for the live page's roofline gauge (without it the "
                         "page says 'not measured')")
+    g = p.add_argument_group("replicas (Ray Serve: pip install 'kvloop[ray]')")
+    g.add_argument("--replicas", type=int, default=1,
+                   help="engine replicas, each with the engine flags' --threads and "
+                        "--kv-cache-memory, deployed on Ray Serve behind this one server, "
+                        "which routes each prompt by its leading KV blocks (default 1: "
+                        "one engine in this process, no Ray)")
+    g.add_argument("--ray-address", default=None,
+                   help="the Ray cluster to deploy on (default: $RAY_ADDRESS, else a local "
+                        "one started here)")
+    g.add_argument("--routing", choices=["prefix", "round_robin"], default="prefix",
+                   help="how requests are spread over replicas (default prefix: by the "
+                        "prompt's cached blocks, bounded by load)")
     add_engine_flags(p)
     add_trace_flag(p, "written when the server shuts down")
 
@@ -109,6 +121,15 @@ def _check(args: argparse.Namespace) -> None:
     if not 0 <= args.shutdown_grace < 1e6:
         raise KvloopError(f"--shutdown-grace must be >= 0 seconds, got {args.shutdown_grace}")
     engine_options(args)  # EngineConfig's own checks, in the API's words
+    if args.replicas < 1:
+        raise KvloopError(f"--replicas must be >= 1, got {args.replicas}")
+    if args.replicas > 1:
+        from kvloop.cluster.deploy import require_ray
+
+        require_ray()
+        if args.trace is not None:
+            raise KvloopError("--trace records one engine's steps; it cannot be used "
+                              "with --replicas > 1")
 
 
 def _is_loopback(host: str) -> bool:
@@ -146,6 +167,7 @@ def cmd_serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
     # Deferred: torch and FastAPI take seconds to import.
     from kvloop.config import EngineConfig
     from kvloop.engine.async_engine import AsyncEngine
+    from kvloop.engine.client import EngineClient
     from kvloop.engine.llm_engine import LLMEngine
     from kvloop.server.app import ServerSettings, create_app
     from kvloop.server.lifecycle import build_server
@@ -162,8 +184,17 @@ def cmd_serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
 
         machine = measure_machine()
         log.info("measured %s for the live page's roofline", machine.describe())
-    # Loaded on the engine's own thread, which then runs it (AsyncEngine.build: why).
-    engine = AsyncEngine.build(lambda: LLMEngine(args.model, config))
+    cluster = None
+    engine: EngineClient
+    if args.replicas > 1:
+        from kvloop.cluster.deploy import start_cluster
+
+        cluster = start_cluster(args.model, config, args.replicas, args.max_waiting,
+                                args.ray_address, args.routing)
+        engine = cluster.pool
+    else:
+        # Loaded on the engine's own thread, which then runs it (AsyncEngine.build: why).
+        engine = AsyncEngine.build(lambda: LLMEngine(args.model, config))
     app = create_app(engine, ServerSettings(
         model_name=args.served_model_name, api_key=api_key, max_waiting=args.max_waiting,
         max_body_bytes=args.max_body_bytes, max_prompts_per_request=args.max_prompts_per_request,
@@ -183,6 +214,8 @@ def cmd_serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         server.run()
     finally:
         runfile.remove(info)
+        if cluster is not None:
+            cluster.close()
     return 0
 
 

@@ -22,6 +22,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from kvloop.engine.client import ReplicaLoad
 from kvloop.engine.outputs import RequestOutput
 from kvloop.scheduler import SchedulerStats
 
@@ -98,10 +99,61 @@ class _EngineCollector(Collector):
             sum_value=sum(j * n for j, n in enumerate(steps)))
 
 
+class _ReplicaCollector(Collector):
+    """Per-replica load behind a router (nothing for a single in-process engine): the
+    engine figures above are the replicas' sums, these say how the load is spread."""
+
+    def __init__(self, loads: Callable[[], list[ReplicaLoad]]) -> None:
+        self._loads = loads
+
+    def collect(self) -> Iterator[Metric]:
+        loads = self._loads()
+        if not loads:
+            return
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily] = {
+            "up": GaugeMetricFamily("kvloop_replica_up", "1 while the router sends to the "
+                                    "replica, 0 while it is down.", labels=["replica"]),
+            "in_flight": GaugeMetricFamily("kvloop_replica_requests_in_flight",
+                                           "Requests the router has running on the replica.",
+                                           labels=["replica"]),
+            "routed": CounterMetricFamily("kvloop_replica_requests_routed",
+                                          "Requests the router sent to the replica.",
+                                          labels=["replica"]),
+            "restarts": CounterMetricFamily("kvloop_replica_restarts",
+                                            "Times the replica went down and came back.",
+                                            labels=["replica"]),
+            "running": GaugeMetricFamily("kvloop_replica_num_requests_running",
+                                         "Sequences in the replica's running batch.",
+                                         labels=["replica"]),
+            "waiting": GaugeMetricFamily("kvloop_replica_num_requests_waiting",
+                                         "Sequences waiting on the replica.", labels=["replica"]),
+            "blocks": GaugeMetricFamily("kvloop_replica_kv_cache_blocks_used",
+                                        "KV cache blocks held on the replica.",
+                                        labels=["replica"]),
+            "hits": GaugeMetricFamily("kvloop_replica_prefix_cache_hit_rate",
+                                      "The replica's prefix-cache hit rate (tokens).",
+                                      labels=["replica"]),
+        }
+        for load in loads:
+            label = [load.name]
+            families["up"].add_metric(label, float(load.up))
+            families["in_flight"].add_metric(label, load.in_flight)
+            families["routed"].add_metric(label, load.routed)
+            families["restarts"].add_metric(label, load.restarts)
+            if load.stats is not None:
+                st = load.stats
+                families["running"].add_metric(label, st.num_running)
+                families["waiting"].add_metric(label, st.num_waiting)
+                families["blocks"].add_metric(label, st.kv.num_used_blocks)
+                families["hits"].add_metric(label, st.kv.prefix_hit_rate)
+        yield from families.values()
+
+
 class ServerMetrics:
     """An OutputObserver for AsyncEngine: histograms, counters and request logs."""
 
-    def __init__(self, stats: Callable[[], SchedulerStats]) -> None:
+    def __init__(self, stats: Callable[[], SchedulerStats],
+                 loads: Callable[[], list[ReplicaLoad]] = list) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram("kvloop_time_to_first_token_seconds",
@@ -122,6 +174,7 @@ class ServerMetrics:
         self.finished = Counter("kvloop_requests_finished", "Requests finished, by reason.",
                                 ["finish_reason"], registry=r)
         r.register(_EngineCollector(stats))
+        r.register(_ReplicaCollector(loads))
 
     # -- OutputObserver (engine thread) -------------------------------------------------------
     def on_output(self, out: RequestOutput, first: bool) -> None:

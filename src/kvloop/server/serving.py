@@ -25,12 +25,12 @@ from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvloop.engine.async_engine import (
-    AsyncEngine,
     EngineDeadError,
     EngineOverloadedError,
     RequestFailedError,
     RequestStream,
 )
+from kvloop.engine.client import EngineClient
 from kvloop.engine.outputs import CompletionOutput, RequestOutput
 from kvloop.errors import KvloopError
 from kvloop.params import SamplingParams, StructuredOutput, check_prompt_logprobs
@@ -118,7 +118,7 @@ class _JobStream(StreamingResponse):
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str,
+    def __init__(self, engine: EngineClient, model_name: str,
                  max_prompts: int = DEFAULT_MAX_PROMPTS,
                  default_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         self.engine = engine
