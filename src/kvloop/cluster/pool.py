@@ -237,7 +237,8 @@ class ReplicaPool:
         except (asyncio.CancelledError, _ReplicaLost):
             raise
         except Exception as e:  # the transport: the replica's process is gone or unreachable
-            raise _ReplicaLost(f"{type(e).__name__}: {e}") from e
+            first_line = (str(e).strip().splitlines() or [""])[0]  # Ray's are pages long
+            raise _ReplicaLost(f"{type(e).__name__}: {first_line}") from e
         finally:
             replica.in_flight -= 1
             with contextlib.suppress(Exception):

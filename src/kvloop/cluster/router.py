@@ -6,7 +6,8 @@ to a replica before is likely to hit that replica's cache. Affinity alone would 
 request of a hot prefix onto one replica, so it is bounded ("consistent hashing with
 bounded loads", Mirrokni et al.): a replica may take a request only while its in-flight
 count stays within `load_factor` times the mean. Among the replicas within the bound the
-longest remembered prefix wins, then the least loaded. A chat history is a prefix of the
+longest remembered prefix wins, then the least loaded, then the one holding the fewest
+remembered blocks. A chat history is a prefix of the
 next turn's prompt, so a conversation sticks to its replica without any session id.
 """
 
@@ -75,7 +76,10 @@ class PrefixRouter:
         within = [c for c in candidates if c.in_flight + 1 <= bound] or list(candidates)
         n = len(self._memory)
         self._next = (self._next + 1) % n
+        # Longest cached prefix, then the least loaded, then (for a cold prefix) the
+        # replica sent the fewest distinct blocks: prefixes spread evenly over the caches.
         best = max(within, key=lambda c: (self._memory[c.index].matched(hashes), -c.in_flight,
+                                          -len(self._memory[c.index].hashes),
                                           -((c.index - self._next) % n)))
         return best.index
 
