@@ -38,7 +38,7 @@ def test_prefix_router_sticks_to_the_replica_that_holds_the_prefix() -> None:
     assert other == 1 - first  # a cold prefix goes to the less loaded replica
     router.record(other, b)
     for _ in range(5):
-        assert router.choose(a + [42], [Candidate(0, 1), Candidate(1, 1)]) == first
+        assert router.choose([*a, 42], [Candidate(0, 1), Candidate(1, 1)]) == first
         assert router.choose(b, [Candidate(0, 1), Candidate(1, 1)]) == other
 
 
@@ -77,6 +77,22 @@ def test_sum_stats_adds_the_replicas_up() -> None:
     assert total.kv.seq_blocks == (4, 1) and total.accepted_per_step == (2, 4)
 
 
+def test_routing_a_long_prompt_takes_well_under_a_millisecond() -> None:
+    """The router's own cost per request (hashing 32 blocks and choosing among 8), measured
+    generously: a loaded CI machine must not fail it."""
+    import time
+
+    router = PrefixRouter(8)
+    prompt = list(range(2000))
+    candidates = [Candidate(i, i % 3) for i in range(8)]
+    t0 = time.perf_counter()
+    for _ in range(200):
+        hashes = prompt_block_hashes(prompt, 16, 32)
+        router.record(router.choose(hashes, candidates) or 0, hashes)
+    per_request = (time.perf_counter() - t0) / 200
+    assert per_request < 1e-3, per_request
+
+
 def test_replicas_without_ray_is_one_clear_error(monkeypatch: pytest.MonkeyPatch,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     from kvloop.cli import main
@@ -87,3 +103,11 @@ def test_replicas_without_ray_is_one_clear_error(monkeypatch: pytest.MonkeyPatch
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert "pip install 'kvloop[ray]'" in err[0] and "--replicas" in err[0]
+
+
+def test_replicas_flag_is_checked_before_anything_loads(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from kvloop.cli import main
+
+    assert main(["serve", "--replicas", "0"]) == 2
+    assert "--replicas must be >= 1" in capsys.readouterr().err

@@ -25,6 +25,7 @@ from kvloop.cluster.stats import sum_stats
 from kvloop.engine.async_engine import (
     EngineDeadError,
     OutputObserver,
+    RequestFailedError,
     RequestStream,
 )
 from kvloop.engine.client import ReplicaLoad
@@ -179,6 +180,14 @@ class ReplicaPool:
 
     # -- the pump ----------------------------------------------------------------------------------
     async def _serve(self, request_id: str, live: _Live, prompt: str | list[int],
+                     params: SamplingParams, priority: int, hashes: list[int]) -> None:
+        try:
+            await self._route(request_id, live, prompt, params, priority, hashes)
+        except Exception as e:  # a bug here must fail the request, never leave it waiting
+            logger.exception("routing %s failed", request_id)
+            self._end(request_id, live, RequestFailedError(f"routing failed: {e!r}"))
+
+    async def _route(self, request_id: str, live: _Live, prompt: str | list[int],
                      params: SamplingParams, priority: int, hashes: list[int]) -> None:
         tried: set[int] = set()
         while True:

@@ -65,8 +65,10 @@ class EngineReplica:
         if not self.engine.healthy:
             raise RuntimeError(f"the engine loop is not running ({self.engine.error!r})")
 
-    def __del__(self) -> None:
-        self.engine.shutdown(timeout=2.0)
+    def __del__(self) -> None:  # Serve's graceful shutdown; also after a failed __init__
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown(timeout=2.0)
 
 
 @dataclass
