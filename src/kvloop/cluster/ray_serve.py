@@ -13,9 +13,9 @@ from typing import Any
 
 from ray import serve
 
-from kvloop.cluster.messages import Accepted, Failed, Refused
+from kvloop.cluster.replica import replica_stream
 from kvloop.config import EngineConfig
-from kvloop.engine.async_engine import AsyncEngine, RequestStream
+from kvloop.engine.async_engine import AsyncEngine
 from kvloop.engine.llm_engine import LLMEngine
 from kvloop.params import SamplingParams
 from kvloop.scheduler import SchedulerStats
@@ -38,21 +38,8 @@ class EngineReplica:
 
     async def generate(self, request_id: str, prompt: str | list[int],
                        params: SamplingParams, priority: int) -> AsyncIterator[object]:
-        try:
-            stream: RequestStream = await self.engine.add_request(request_id, prompt, params,
-                                                                  priority)
-        except Exception as e:  # refused before queueing: sent as a value (messages.py)
-            yield Refused(e, getattr(e, "param", None))
-            return
-        yield Accepted()
-        try:
-            async for out in stream:
-                yield out
-        except Exception as e:
-            yield Failed(e)
-        finally:
-            if not stream.finished:  # the caller cancelled (an abort): free its blocks
-                self.engine.abort(request_id)
+        async for item in replica_stream(self.engine, request_id, prompt, params, priority):
+            yield item
 
     def stats(self) -> SchedulerStats:
         return self.engine.stats()
