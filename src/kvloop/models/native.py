@@ -63,22 +63,31 @@ def attach_native_linears(model: CausalLM) -> None:
     uses it at every size.
 
     The layer's one layout serves every batch: decode-sized batches meet the int8 kernels
-    (they read only the quantized bytes); from the policy's row count on (kvloop.dispatch:
-    prefill and large decode batches, compute-bound) the kernel decodes the weights a
-    chunk of rows at a time into a GEMM, in bf16 where AVX512-BF16 makes that ~2x faster
-    (activations rounded to bf16, finer than the int8 kernels' per-block rounding; the
-    head's logits too, a step of 2^-8 of the logit, below the int8 weights' own error:
-    benchmarks/quant_quality.py), else in fp32."""
+    (they read only the quantized bytes); from the policy's row counts on (kvloop.dispatch:
+    prefill and large decode batches, compute-bound) the int8 GEMM unpacks each tile of
+    weight rows once for every activation row (same int8 activations, same sums as the
+    row kernels). A layer it does not take (the head's int16 activations; 8-bit codes
+    without VNNI) decodes the weights a chunk of rows at a time into a float GEMM instead,
+    in bf16 where AVX512-BF16 makes that ~2x faster (activations rounded to bf16, finer
+    than the int8 kernels' per-block rounding; the head's logits too, a step of 2^-8 of
+    the logit, below the int8 weights' own error: benchmarks/quant_quality.py), else fp32."""
     min_rows, bf16 = dispatch.quantized_batched_path()
+    gemm_rows = dispatch.int8_gemm_min_rows()
+
+    def policy(native: Any) -> None:
+        native.set_batched_decode(min_rows, bf16)
+        if native.gemm_supported:  # ahead of the decoded-weights GEMM: faster at every size
+            native.set_int8_gemm(gemm_rows)
+
     for module in model.modules():
         if isinstance(module, Int8Linear | Int4Linear | BlockLinear):
             module.native = native_linear_of(module, wide_acts=module is model.lm_head)
-            module.native.set_batched_decode(min_rows, bf16)
+            policy(module.native)
     # Stacks after their parts (modules() lists a parent first).
     for module in model.modules():
         if isinstance(module, StackedLinear):
             module.native = native_stack([p.native for p in module.blocks()])
-            module.native.set_batched_decode(min_rows, bf16)
+            policy(module.native)
 
 
 def native_prefill_ready(model: CausalLM) -> bool:

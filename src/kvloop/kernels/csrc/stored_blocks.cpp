@@ -368,6 +368,63 @@ void decode_t(const QLinear& L, int64_t n, float* out) {
   }
 }
 
+// Row n as the GEMM takes it (gemm.cpp): signed codes c with w = sc[k / SUB] * c + mn[k / 32]
+// (mn only for the formats with a min), and per scale -128 * the sum of its codes. Formats whose min is a fixed multiple of the scale
+// (Q5_0: -16 d; Q6_K: -32 d sc) fold it into the codes, which then need no min term.
+template <WeightKind K>
+void unpack_t(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn, int32_t* corr) {
+  using T = Traits<K>;
+  constexpr int64_t S = T::QK / T::SUB, G = T::QK / kGroup;
+  constexpr int kShift = K == WeightKind::Q6_K ? 32 : K == WeightKind::Q5_0 ? 16 : 0;
+  const int64_t blocks = L.in_features / T::QK;
+  const uint8_t* row = L.weight.data_ptr<uint8_t>() + n * blocks * T::BYTES;
+  for (int64_t bi = 0; bi < blocks; ++bi) {
+    const uint8_t* b = row + bi * T::BYTES;
+#ifdef __AVX2__
+    if constexpr (K == WeightKind::Q4_K || K == WeightKind::Q5_K) {
+      __m256 sv, mv;  // the vector unpacking of the 6-bit fields: the scalar one cost as
+      k_factors(b, sv, mv);  // much as the rest of the block
+      _mm256_storeu_ps(sc + bi * S, sv);
+      _mm256_storeu_ps(mn + bi * G, mv);
+    } else
+#endif
+    {
+      float s[S], m[S];
+      block_factors<K>(b, s, m);
+      for (int64_t i = 0; i < S; ++i) sc[bi * S + i] = s[i];
+      if constexpr (kShift == 0)
+        for (int64_t g = 0; g < G; ++g) mn[bi * G + g] = m[g];
+    }
+    int8_t* o = codes + bi * T::QK;
+    int32_t* x = corr + bi * S;  // -128 * sum of each scale's codes: sum(u) - kShift * SUB
+#ifdef __AVX2__
+    for_each_group<K>(b, [&](int64_t g, __m256i u) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + g * kGroup),
+                          _mm256_sub_epi8(u, _mm256_set1_epi8(kShift)));
+      // Byte sums of each 8 codes in the four 64-bit lanes: lanes 0-1 the first 16 codes.
+      const __m256i part = _mm256_sad_epu8(u, _mm256_setzero_si256());
+      const int64_t lo = _mm256_extract_epi64(part, 0) + _mm256_extract_epi64(part, 1);
+      const int64_t hi = _mm256_extract_epi64(part, 2) + _mm256_extract_epi64(part, 3);
+      if constexpr (T::SUB == kGroup) {
+        x[g] = static_cast<int32_t>(-128 * (lo + hi - kShift * kGroup));
+      } else {
+        x[2 * g] = static_cast<int32_t>(-128 * (lo - kShift * 16));
+        x[2 * g + 1] = static_cast<int32_t>(-128 * (hi - kShift * 16));
+      }
+    });
+#else
+    uint8_t u[T::QK];
+    unpack_codes<K>(b, u);
+    for (int64_t k = 0; k < T::QK; ++k) o[k] = static_cast<int8_t>(u[k] - kShift);
+    for (int64_t i = 0; i < S; ++i) {
+      int32_t total = 0;
+      for (int64_t k = i * T::SUB; k < (i + 1) * T::SUB; ++k) total += o[k];
+      x[i] = -128 * total;
+    }
+#endif
+  }
+}
+
 // `case` labels for each stored kind, running CALL(kind) (a compile-time argument).
 #define KVLOOP_STORED_KINDS(CALL)                     \
   case WeightKind::Q4_K: CALL(WeightKind::Q4_K); break; \
@@ -404,6 +461,22 @@ void stored_decode_row(const QLinear& L, int64_t n, float* out) {
 #define DECODE(F) decode_t<F>(L, n, out)
   switch (kind) { KVLOOP_STORED_KINDS(DECODE) }
 #undef DECODE
+}
+
+int64_t stored_gemm_sub(WeightKind kind) {
+  return kind == WeightKind::Q6_K ? 16 : kGroup;
+}
+
+bool stored_gemm_has_min(WeightKind kind) {
+  return kind == WeightKind::Q4_K || kind == WeightKind::Q5_K || kind == WeightKind::Q5_1;
+}
+
+void stored_unpack_row(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn,
+                       int32_t* corr) {
+  const WeightKind kind = L.kind;
+#define UNPACK(F) unpack_t<F>(L, n, codes, sc, mn, corr)
+  switch (kind) { KVLOOP_STORED_KINDS(UNPACK) }
+#undef UNPACK
 }
 
 }  // namespace kvloop
