@@ -64,8 +64,10 @@ def test_every_path_matches_float64_at_threshold_rows(isa: str, layout: str) -> 
     lin = mod.QLinear(kind, w, K, sc, bias, False)
     min_rows = p.fp32_min_rows if kind == F32 else p.quantized_min_rows
     bf16 = kind != F32 and p.quantized_bf16
-    lin.set_batched_decode(min_rows, bf16)
     gemm_rows = p.int8_gemm_min_rows if lin.gemm_supported else 0
+    if gemm_rows:  # as models.native.attach_native_linears sets them
+        min_rows = max(min_rows, p.int8_gemm_max_rows)
+    lin.set_batched_decode(min_rows, bf16)
     lin.set_int8_gemm(gemm_rows)
     dense = dequantize(kind, w, K, sc).double()
     for M in ROWS:
@@ -73,7 +75,7 @@ def test_every_path_matches_float64_at_threshold_rows(isa: str, layout: str) -> 
         y = lin.forward(x)
         assert y.shape == (M, N)
         what = f"{isa} {layout} M={M}"
-        kernels = min_rows > M or 0 < gemm_rows <= M  # int8 activations, exact integer dots
+        kernels = min_rows > M  # the row kernels or the int8 GEMM: int8 activations
         if kernels or kind == F32:  # the kernels (fp32: exact sums either way)
             assert_linear_close(y, linear_reference(x, kind, w, K, sc, bias), what)
         elif bf16:  # decoded to bf16, oneDNN's bf16 GEMM
@@ -107,14 +109,15 @@ def test_stored_blocks_match_gguf_float64_at_threshold_rows(isa: str, fmt: Any) 
     assert torch.equal(lin.decoded(False), gguf_w), f"{isa} {fmt.name}: decoded rows"
     assert lin.weight_bytes == raw.nbytes + 4 * N  # the blocks as stored, and the bias
     dense = gguf_w.double()
-    lin.set_batched_decode(p.quantized_min_rows, p.quantized_bf16)
     assert lin.gemm_supported  # 4- to 6-bit codes: every build
+    min_rows = max(p.quantized_min_rows, p.int8_gemm_max_rows)
+    lin.set_batched_decode(min_rows, p.quantized_bf16)
     lin.set_int8_gemm(p.int8_gemm_min_rows)
     for M in ROWS:
         x = torch.randn(M, K, generator=g)
         y = lin.forward(x)
         what = f"{isa} {fmt.name} M={M}"
-        if p.quantized_min_rows > M or p.int8_gemm_min_rows <= M:  # int8 activations
+        if min_rows > M:  # the block kernels or the int8 GEMM: int8 activations
             q, d = quantize_acts_reference(x)
             xd = (q.view(M, -1, 32).double() * d.double()[..., None]).view(M, K)
             assert_linear_close(y, (xd @ dense.T + bias.double()).float(), what)
@@ -222,7 +225,7 @@ def test_policy_is_per_cpu_class() -> None:
     assert not dispatch.FP32_POLICY.quantized_bf16 and dispatch.BF16_POLICY.quantized_bf16
     for p in (dispatch.BF16_POLICY, dispatch.FP32_POLICY):
         assert 1 <= p.quantized_min_rows <= 1024 and 1 <= p.fp32_min_rows <= 1024
-        assert 1 <= p.int8_gemm_min_rows <= 64
+        assert 1 <= p.int8_gemm_min_rows < p.int8_gemm_max_rows
 
 
 def _run(code: str, isa: str) -> str:

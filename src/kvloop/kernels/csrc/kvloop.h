@@ -142,11 +142,10 @@ struct QLinear {
   bool batched_decode = false;
   bool batched_bf16 = true;  // quantized kinds: decode to bf16 (false: fp32, sgemm)
   static constexpr int64_t kDecodeChunkBytes = 1 << 21;  // weight rows decoded at a time
-  // Batches of gemm_min_rows rows or more run the int8 GEMM (gemm.cpp), ahead of the
-  // batched path: weights unpacked once per tile of rows into int8 codes and held in cache
-  // while every activation row meets them, the activations spread across vector lanes.
-  // It outran both the row kernels and the decoded-weights GEMMs (bf16 and fp32) from 8
-  // rows up to prefill sizes (benchmarks/bench_dispatch.py). 0: off. See set_int8_gemm.
+  // Batches of gemm_min_rows rows or more (below batched_min_rows where the batched path
+  // is set) run the int8 GEMM (gemm.cpp): weights unpacked once per tile of rows into int8
+  // codes and held in cache while every activation row meets them, the activations spread
+  // across vector lanes. 0: off. See set_int8_gemm.
   int64_t gemm_min_rows = 0;
 
   // A fused layer whose checkpoint parts no one layout holds exactly (q/k as Q4_K blocks
