@@ -11,6 +11,10 @@ set from, per ISA.
 
     python benchmarks/bench_dispatch.py                  # this CPU's best build
     KVLOOP_ISA=avx2 python benchmarks/bench_dispatch.py  # an AVX2-only CPU (libraries too)
+    python benchmarks/bench_dispatch.py --model FILE.gguf  # that file's first MLP, as stored
+
+Quantized layers also time the int8 GEMM (QLinear.set_int8_gemm: weight rows unpacked once
+per tile, activations across vector lanes) where their format runs in it on this build.
 
 Run it on a quiet machine: each figure is the median of interleaved repetitions.
 """
@@ -32,26 +36,36 @@ NEVER = 1 << 30  # a min_rows no batch reaches: the native kernels at every size
 FORMATS = {"fp32": "none", "int8": "int8", "int4": "int4", "as stored (Q4_1)": "gguf"}
 
 
-def layers(quantization: str) -> dict[str, Any]:
-    """The kernel-side layers of the default model's first MLP, in one format."""
+def layers(quantization: str, model: str | None = None) -> dict[str, Any]:
+    """The kernel-side layers of the model's first MLP (default: the default model's), in
+    one format."""
     from kvloop import LLM
-    from kvloop.models.native import native_linear_of
+    from kvloop.models.native import native_linear_of, native_stack
 
-    llm = LLM(quantization=quantization, use_kernels=True)
+    llm = LLM(model, quantization=quantization, use_kernels=True)
     mlp = llm.engine.model.layers[0].mlp
-    return {name: native_linear_of(getattr(mlp, attr))
-            for name, attr in (("gate_up [3072x576]", "gate_up_proj"),
-                               ("down [576x1536]", "down_proj"))}
+    out = {}
+    for attr in ("gate_up_proj", "down_proj"):
+        module = getattr(mlp, attr)
+        lin = (native_stack([native_linear_of(p) for p in module.blocks()])
+               if hasattr(module, "blocks") else native_linear_of(module))
+        out[f"{attr} [{lin.out_features}x{lin.in_features}]"] = lin
+    return out
 
 
-def time_paths(lin: Any, m: int, paths: dict[str, tuple[int, bool]], reps: int) -> dict[str, float]:
-    """Median microseconds of lin.forward on m rows, for each path (min_rows, bf16),
-    the paths interleaved so that a noisy moment costs all of them alike."""
+# A path: (min_rows of the decoded-weights GEMM, in bf16, min_rows of the int8 GEMM).
+PathSpec = tuple[int, bool, int]
+
+
+def time_paths(lin: Any, m: int, paths: dict[str, PathSpec], reps: int) -> dict[str, float]:
+    """Median microseconds of lin.forward on m rows, for each path, the paths interleaved so
+    that a noisy moment costs all of them alike."""
     x = torch.randn(m, lin.in_features)
     times: dict[str, list[float]] = {p: [] for p in paths}
     for _ in range(reps):
-        for name, (min_rows, bf16) in paths.items():
+        for name, (min_rows, bf16, gemm_rows) in paths.items():
             lin.set_batched_decode(min_rows, bf16)
+            lin.set_int8_gemm(gemm_rows)
             lin.forward(x)  # the path's scratch and its first-call costs
             t = time.perf_counter()
             lin.forward(x)
@@ -63,6 +77,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS))
+    ap.add_argument("--model", default=None, help="a GGUF file (default: the default model)")
     args = ap.parse_args()
     from kvloop import dispatch
 
@@ -71,10 +86,12 @@ def main() -> None:
           f"bf16 GEMM {'fast' if bf16 else 'off'}; {torch.get_num_threads()} threads")
     print(f"policy now: {dispatch.policy()}")
     for fmt in args.formats:
-        paths = {"kernel": (NEVER, False), "gemm fp32": (1, False)}
-        if bf16 and fmt != "fp32":
-            paths["gemm bf16"] = (1, True)
-        for lname, lin in layers(FORMATS[fmt]).items():
+        for lname, lin in layers(FORMATS[fmt], args.model).items():
+            paths: dict[str, PathSpec] = {"kernel": (NEVER, False, 0), "gemm fp32": (1, False, 0)}
+            if bf16 and fmt != "fp32":
+                paths["gemm bf16"] = (1, True, 0)
+            if fmt != "fp32" and lin.gemm_supported:
+                paths["int8 gemm"] = (NEVER, False, 1)
             print(f"\n{fmt}, {lname}: microseconds per call (rows: " +
                   ", ".join(paths) + ")")
             best: list[str] = []

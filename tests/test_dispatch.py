@@ -64,14 +64,19 @@ def test_every_path_matches_float64_at_threshold_rows(isa: str, layout: str) -> 
     lin = mod.QLinear(kind, w, K, sc, bias, False)
     min_rows = p.fp32_min_rows if kind == F32 else p.quantized_min_rows
     bf16 = kind != F32 and p.quantized_bf16
+    gemm_rows = p.int8_gemm_min_rows if lin.gemm_supported else 0
+    if gemm_rows:  # as models.native.attach_native_linears sets them
+        min_rows = max(min_rows, p.int8_gemm_max_rows)
     lin.set_batched_decode(min_rows, bf16)
+    lin.set_int8_gemm(gemm_rows)
     dense = dequantize(kind, w, K, sc).double()
     for M in ROWS:
         x = torch.randn(M, K, generator=g)
         y = lin.forward(x)
         assert y.shape == (M, N)
         what = f"{isa} {layout} M={M}"
-        if min_rows > M or kind == F32:  # the kernels (fp32: exact sums either way)
+        kernels = min_rows > M  # the row kernels or the int8 GEMM: int8 activations
+        if kernels or kind == F32:  # the kernels (fp32: exact sums either way)
             assert_linear_close(y, linear_reference(x, kind, w, K, sc, bias), what)
         elif bf16:  # decoded to bf16, oneDNN's bf16 GEMM
             ref = linear_reference(x, kind, w, K, sc, bias, bf16=True)
@@ -104,12 +109,15 @@ def test_stored_blocks_match_gguf_float64_at_threshold_rows(isa: str, fmt: Any) 
     assert torch.equal(lin.decoded(False), gguf_w), f"{isa} {fmt.name}: decoded rows"
     assert lin.weight_bytes == raw.nbytes + 4 * N  # the blocks as stored, and the bias
     dense = gguf_w.double()
-    lin.set_batched_decode(p.quantized_min_rows, p.quantized_bf16)
+    assert lin.gemm_supported  # 4- to 6-bit codes: every build
+    min_rows = max(p.quantized_min_rows, p.int8_gemm_max_rows)
+    lin.set_batched_decode(min_rows, p.quantized_bf16)
+    lin.set_int8_gemm(p.int8_gemm_min_rows)
     for M in ROWS:
         x = torch.randn(M, K, generator=g)
         y = lin.forward(x)
         what = f"{isa} {fmt.name} M={M}"
-        if p.quantized_min_rows > M:  # the block kernels: int8 activations
+        if min_rows > M:  # the block kernels or the int8 GEMM: int8 activations
             q, d = quantize_acts_reference(x)
             xd = (q.view(M, -1, 32).double() * d.double()[..., None]).view(M, K)
             assert_linear_close(y, (xd @ dense.T + bias.double()).float(), what)
@@ -120,6 +128,78 @@ def test_stored_blocks_match_gguf_float64_at_threshold_rows(isa: str, fmt: Any) 
                                        msg=lambda m, what=what: f"{what}: {m}")
         else:
             assert_linear_close(y, (x.double() @ dense.T + bias.double()).float(), what)
+
+
+# Row counts around the int8 GEMM's tiles (panels of 8 activation rows, in pairs on
+# AVX-512) and, at K = 4096, past its first chunk of panels (16 panels: 128 rows).
+GEMM_ROWS = (8, 9, 15, 16, 17, 24, 33, 200)
+GEMM_LAYOUTS = ["q8", "q4", "q4f", "q8b-g16", "q8b-min-f32", "q8b-g32-f16",
+                *(f.name for f in STORED_KINDS)]
+
+
+def _gemm_layer(mod: Any, layout: str, N: int, K: int, g: torch.Generator) -> tuple[Any, Any]:
+    """(native layer with a bias, its float64 dense weight) in one of GEMM_LAYOUTS."""
+    bias = torch.randn(N, generator=g)
+    if layout in _layouts(8, 32, g):
+        kind, w, sc = _layouts(N, K, g)[layout]
+        return mod.QLinear(kind, w, K, sc, bias, False), bias
+    fmt = next(f for f in STORED_KINDS if f.name == layout)
+    raw = random_blocks(fmt, N, K, seed=int(fmt), scale=0.01)
+    _normal_scales(raw, fmt, seed=int(fmt))
+    kind, weight, _ = StoredRows(torch.from_numpy(raw), fmt, K).native()
+    return mod.QLinear(kind, weight, K, None, bias, False), bias
+
+
+@pytest.mark.parametrize("layout", GEMM_LAYOUTS)
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512vnni"])
+def test_int8_gemm_equals_the_row_kernels(isa: str, layout: str) -> None:
+    """The int8 GEMM computes what the row kernels do (the same int8 activations, the
+    same integer dot products, the sums in another order): against them and the float64
+    reference, at every tile edge, with a tail of weight rows (N = 13: tiles of 4) and a
+    batch past one chunk of activation panels. 8-bit codes need VNNI (or the scalar
+    build): the avx2 build refuses them rather than saturate vpmaddubsw."""
+    mod = _module(isa)
+    N, K = 13, 4096
+    g = _gen(len(layout) * 17 + len(isa))
+    lin, bias = _gemm_layer(mod, layout, N, K, g)
+    if not lin.gemm_supported:
+        assert isa == "avx2" and layout.startswith("q8")
+        with pytest.raises(RuntimeError, match="int8 GEMM"):
+            lin.set_int8_gemm(8)
+        return
+    dense = lin.decoded(False).double()
+    for M in GEMM_ROWS:
+        x = torch.randn(M, K, generator=g)
+        lin.set_int8_gemm(0)
+        rows = lin.forward(x)  # the row kernels
+        lin.set_int8_gemm(8)
+        y = lin.forward(x)
+        what = f"{isa} {layout} M={M}"
+        torch.testing.assert_close(y, rows, rtol=1e-5, atol=1e-5 * float(rows.abs().max()),
+                                   msg=lambda m, what=what: f"{what}: {m}")
+        q, d = quantize_acts_reference(x)
+        xd = (q.view(M, -1, 32).double() * d.double()[..., None]).view(M, K)
+        assert_linear_close(y, (xd @ dense.T + bias.double()).float(), what)
+
+
+def test_int8_gemm_runs_a_stack_of_formats() -> None:
+    """A fused layer of mixed formats (Q4_K rows over Q6_K rows, as Q4_K_M files store q/k
+    and v) runs each part in the GEMM into its columns."""
+    mod = build.native_module()
+    g = _gen(3)
+    a, _ = _gemm_layer(mod, "Q4_K", 12, 512, g)
+    b, _ = _gemm_layer(mod, "Q6_K", 5, 512, g)
+    stack = mod.QLinear.stack([a, b])
+    assert stack.gemm_supported
+    x = torch.randn(20, 512, generator=g)
+    rows = stack.forward(x)
+    stack.set_int8_gemm(8)
+    assert a.gemm_min_rows == b.gemm_min_rows == 8
+    y = stack.forward(x)
+    torch.testing.assert_close(y, rows, rtol=1e-5, atol=1e-5 * float(rows.abs().max()))
+    torch.testing.assert_close(y[:, 12:], b.forward(x))
+    with pytest.raises(RuntimeError, match="min_rows"):
+        stack.set_int8_gemm(-1)
 
 
 def _normal_scales(raw: Any, fmt: Any, seed: int) -> None:
@@ -145,6 +225,7 @@ def test_policy_is_per_cpu_class() -> None:
     assert not dispatch.FP32_POLICY.quantized_bf16 and dispatch.BF16_POLICY.quantized_bf16
     for p in (dispatch.BF16_POLICY, dispatch.FP32_POLICY):
         assert 1 <= p.quantized_min_rows <= 1024 and 1 <= p.fp32_min_rows <= 1024
+        assert 1 <= p.int8_gemm_min_rows < p.int8_gemm_max_rows
 
 
 def _run(code: str, isa: str) -> str:

@@ -33,13 +33,30 @@ class GemmPolicy:
     quantized_min_rows: int  # int8, 4-bit and GGUF-block layers: weights decoded per chunk
     quantized_bf16: bool  # that GEMM in bf16 (AVX512-BF16 dot products) rather than fp32
     fp32_min_rows: int  # fp32 layers: ATen's GEMM over the weight itself
+    # Quantized layers the int8 GEMM takes (QLinear.gemm_supported: every format but the
+    # head's int16 activations, and 8-bit codes without VNNI) run in it from
+    # int8_gemm_min_rows rows, ahead of the row kernels, and below int8_gemm_max_rows, from
+    # where they too take the decoded-weights GEMM.
+    int8_gemm_min_rows: int
+    int8_gemm_max_rows: int
 
 
-# AVX512-BF16 (Zen 4 here): decoded to bf16, oneDNN's bf16 GEMM is ~2x the int8 kernels'
-# rate from 16 rows (compute-bound steps); fp32 layers: the native kernels up to 64 rows.
-BF16_POLICY = GemmPolicy("AVX512-BF16", 16, True, 65)
+# The int8 GEMM against the other paths, one core, Llama-3.2-1B-shaped Q4_K_M and Q8_0
+# layers (2048 -> 16384 Q4_K, 8192 -> 2048 Q6_K, Q8_0): at 8 rows it ties the row kernels
+# on Q4_K and beats them on Q6_K and Q8_0 (1.2-1.5x); from 16 rows it is 1.4-2x both the
+# row kernels and the bf16 GEMM over decoded weights (decoding alone costs what 8 rows of
+# the GEMM do). So decode batches of 16-64 rows take it (from 8, the float summation order
+# it brings moved the default model's int8 greedy chat replies in test_quant: near-ties).
+# Prefill-sized inputs (65+ rows) keep float activations:
+# the int8 GEMM is only 1.05-1.2x the bf16 GEMM at 512 rows (1.3-1.5x the fp32 one on the
+# avx2 build), and its int8 activations in prefill moved the default model's greedy chat
+# replies off fp32's far sooner than bf16 ones do (int4: median 9 of 32 tokens equal, was
+# 32; perplexity unchanged; benchmarks/quant_quality.py).
+# AVX512-BF16 (Zen 4 here): the rest decoded to bf16, oneDNN's bf16 GEMM ~2x the row
+# kernels' rate from 16 rows; fp32 layers: the native kernels up to 64 rows.
+BF16_POLICY = GemmPolicy("AVX512-BF16", 16, True, 65, 16, 65)
 # Without fast bf16 (AVX2 + FMA, or AVX-512 without BF16): decoded to fp32.
-FP32_POLICY = GemmPolicy("AVX2 + FMA", 65, False, 65)
+FP32_POLICY = GemmPolicy("AVX2 + FMA", 65, False, 65, 16, 65)
 # The AVX512-BF16 row threshold under the name the kernel tests use.
 BF16_MIN_ROWS = BF16_POLICY.quantized_min_rows
 
@@ -67,6 +84,12 @@ def quantized_batched_path() -> tuple[int, bool]:
     GEMM runs in bf16 (else fp32)."""
     p = policy()
     return p.quantized_min_rows, p.quantized_bf16
+
+
+def int8_gemm_rows() -> tuple[int, int]:
+    """[min, max) rows of a quantized layer the int8 GEMM supports that run in it."""
+    p = policy()
+    return p.int8_gemm_min_rows, p.int8_gemm_max_rows
 
 
 def fp32_batched_min_rows() -> int:

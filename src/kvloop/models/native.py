@@ -62,23 +62,35 @@ def attach_native_linears(model: CausalLM) -> None:
     """Give every quantized layer its native kernel (``module.native``); its forward then
     uses it at every size.
 
-    The layer's one layout serves every batch: decode-sized batches meet the int8 kernels
-    (they read only the quantized bytes); from the policy's row count on (kvloop.dispatch:
-    prefill and large decode batches, compute-bound) the kernel decodes the weights a
-    chunk of rows at a time into a GEMM, in bf16 where AVX512-BF16 makes that ~2x faster
-    (activations rounded to bf16, finer than the int8 kernels' per-block rounding; the
-    head's logits too, a step of 2^-8 of the logit, below the int8 weights' own error:
-    benchmarks/quant_quality.py), else in fp32."""
+    The layer's one layout serves every batch: small decode batches meet the int8 row
+    kernels (they read only the quantized bytes); larger ones (kvloop.dispatch: 8-64 rows)
+    the int8 GEMM, which unpacks each tile of weight rows once for every activation row
+    (the same int8 activations and integer sums as the row kernels). Prefill-sized inputs,
+    and the batches of a layer the int8 GEMM does not take (the head's int16 activations;
+    8-bit codes without VNNI), decode the weights a chunk of rows at a time into a float
+    GEMM, in bf16 where AVX512-BF16 makes that ~2x faster (activations rounded to bf16,
+    finer than the int8 kernels' per-block rounding; the head's logits too, a step of 2^-8
+    of the logit, below the int8 weights' own error: benchmarks/quant_quality.py), else
+    fp32."""
     min_rows, bf16 = dispatch.quantized_batched_path()
+    gemm_min, gemm_max = dispatch.int8_gemm_rows()
+
+    def policy(native: Any) -> None:
+        if native.gemm_supported:  # decode batches: the int8 GEMM; prefill: float GEMMs
+            native.set_int8_gemm(gemm_min)
+            native.set_batched_decode(max(min_rows, gemm_max), bf16)
+        else:
+            native.set_batched_decode(min_rows, bf16)
+
     for module in model.modules():
         if isinstance(module, Int8Linear | Int4Linear | BlockLinear):
             module.native = native_linear_of(module, wide_acts=module is model.lm_head)
-            module.native.set_batched_decode(min_rows, bf16)
+            policy(module.native)
     # Stacks after their parts (modules() lists a parent first).
     for module in model.modules():
         if isinstance(module, StackedLinear):
             module.native = native_stack([p.native for p in module.blocks()])
-            module.native.set_batched_decode(min_rows, bf16)
+            policy(module.native)
 
 
 def native_prefill_ready(model: CausalLM) -> bool:

@@ -85,7 +85,14 @@ struct QuantizedActs {
   at::Tensor xb;  // bf16 input of the batched path (QLinear::set_batched_decode)
   at::Tensor wb;  // a chunk of weight rows decoded for the batched path (set_batched_decode)
   std::vector<float> part_y;  // one stacked part's output (QLinear::stack)
+  // The int8 GEMM's operand (interleave_acts): rows in panels of kGemmLanes, each panel
+  // [K / 4][kGemmLanes][4] bytes q + 128 (unsigned, for the u8 side of the dot product),
+  // with its block scales and sums lane by lane: [panel][K / 32][kGemmLanes].
+  std::vector<uint8_t> pq;
+  std::vector<float> pd, ps;
 };
+
+constexpr int64_t kGemmLanes = 8;  // activation rows per panel: one 256-bit vector of sums
 
 constexpr int64_t kMaxGroups = 2048;  // int4: in_features up to 65536
 
@@ -135,6 +142,11 @@ struct QLinear {
   bool batched_decode = false;
   bool batched_bf16 = true;  // quantized kinds: decode to bf16 (false: fp32, sgemm)
   static constexpr int64_t kDecodeChunkBytes = 1 << 21;  // weight rows decoded at a time
+  // Batches of gemm_min_rows rows or more (below batched_min_rows where the batched path
+  // is set) run the int8 GEMM (gemm.cpp): weights unpacked once per tile of rows into int8
+  // codes and held in cache while every activation row meets them, the activations spread
+  // across vector lanes. 0: off. See set_int8_gemm.
+  int64_t gemm_min_rows = 0;
 
   // A fused layer whose checkpoint parts no one layout holds exactly (q/k as Q4_K blocks
   // with v as Q6_K): their rows stacked along N, each part run by its own kernel into its
@@ -159,6 +171,9 @@ struct QLinear {
   at::Tensor forward(const at::Tensor& x) const;  // [M, K] -> [M, N], for Python and tests
   int64_t weight_bytes() const;
   void set_batched_decode(int64_t min_rows, bool bf16 = true);  // see `batched_decode`
+  // Whether this layer's format runs in the int8 GEMM on this build (stacks: every part).
+  bool gemm_supported() const;
+  void set_int8_gemm(int64_t min_rows);  // see `gemm_min_rows`; 0 turns it off
   // Rows n0..n1 of the weights as the kernels decode them (w = scale * code + min, fp32),
   // rounded to bf16 (round to nearest even, as torch's .to(bfloat16)) unless fp32 out.
   void decode_rows(int64_t n0, int64_t n1, float* out) const;
@@ -179,6 +194,21 @@ void stored_rows(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m
                  float* y);
 // Row n of the weights, w = scale * code + min in fp32: the `gguf` package's values.
 void stored_decode_row(const QLinear& L, int64_t n, float* out);
+// Row n as the int8 GEMM takes it: signed codes [K], w = sc[k / SUB] * code + mn[k / 32],
+// SUB = stored_gemm_sub (16 or 32), mn written only where stored_gemm_has_min; corr
+// [K / SUB]: -128 * the sum of each scale's codes (the GEMM's offset correction).
+void stored_unpack_row(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn,
+                       int32_t* corr);
+int64_t stored_gemm_sub(WeightKind kind);
+bool stored_gemm_has_min(WeightKind kind);
+
+// ---- the int8 GEMM (gemm.cpp) ----
+
+// The panels of `a` (QuantizedActs::pq, pd, ps) from its q, d and s.
+void interleave_acts(QuantizedActs& a);
+// y[M, N] = x W^T for a layer whose gemm_supported(), from activations quantized and
+// interleaved for it (no bias).
+void gemm_int8(const QLinear& L, const QuantizedActs& a, float* y);
 
 void quantize_acts(const float* x, int64_t M, int64_t K, QuantizedActs& out);
 // q16, d16 and s16 of `out` (int16 codes per block of 32; M and K too).

@@ -988,7 +988,17 @@ void QLinear::apply(const float* x, int64_t M, QuantizedActs& acts, float* y) co
     }
     return;
   }
-  if (batched_decode && M >= batched_min_rows) {
+  const bool batched = batched_decode && M >= batched_min_rows;
+  if (gemm_min_rows > 0 && M >= gemm_min_rows && !batched) {
+    quantize_acts(x, M, in_features, acts);
+    interleave_acts(acts);
+    gemm_int8(*this, acts, y);
+    if (bias.has_value()) {
+      const float* b = bias->data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < out_features; ++n) y[m * out_features + n] += b[n];
+    }
+  } else if (batched) {
     run_batched_decode(x, M, acts, y);
   } else if (wide_acts) {
     quantize_acts16(x, M, in_features, acts);

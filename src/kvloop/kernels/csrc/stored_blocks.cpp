@@ -368,6 +368,94 @@ void decode_t(const QLinear& L, int64_t n, float* out) {
   }
 }
 
+#ifdef __AVX2__
+// corr[i] = -128 * (sum of scale i's codes - shift * SUB), from each group's 8 lanes of
+// 4-code sums: the 8 groups of a 256-weight block reduced together in a tree of hadds.
+template <int64_t SUB, int64_t G, int kShift>
+inline void block_corrections(const __m256i* sums, int32_t* corr) {
+  const __m128i base = _mm_set1_epi32(kShift * static_cast<int>(SUB));
+  auto store = [&](int32_t* out, __m128i total) {  // (shift * SUB - total) * 128
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                     _mm_slli_epi32(_mm_sub_epi32(base, total), 7));
+  };
+  if constexpr (G == 8) {
+    for (int h = 0; h < 2; ++h) {  // groups 4h..4h+3
+      const __m256i* s = sums + 4 * h;
+      // [g lo, g+1 lo, g+2 lo, g+3 lo | g hi, ...]: lo the first 16 codes, hi the last
+      const __m256i q = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]),
+                                          _mm256_hadd_epi32(s[2], s[3]));
+      const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+      if constexpr (SUB == kGroup) {
+        store(corr + 4 * h, _mm_add_epi32(lo, hi));
+      } else {  // 16: each group's two halves, in order
+        store(corr + 8 * h, _mm_unpacklo_epi32(lo, hi));
+        store(corr + 8 * h + 4, _mm_unpackhi_epi32(lo, hi));
+      }
+    }
+  } else {
+    static_assert(G == 1 && SUB == kGroup, "one group of 32 a block otherwise");
+    __m128i v = _mm_add_epi32(_mm256_castsi256_si128(sums[0]),
+                              _mm256_extracti128_si256(sums[0], 1));
+    v = _mm_hadd_epi32(v, v);
+    v = _mm_hadd_epi32(v, v);
+    corr[0] = (kShift * static_cast<int32_t>(SUB) - _mm_cvtsi128_si32(v)) * 128;
+  }
+}
+#endif
+
+// Row n as the GEMM takes it (gemm.cpp): signed codes c with w = sc[k / SUB] * c + mn[k / 32]
+// (mn only for the formats with a min), and per scale -128 * the sum of its codes. Formats whose min is a fixed multiple of the scale
+// (Q5_0: -16 d; Q6_K: -32 d sc) fold it into the codes, which then need no min term.
+template <WeightKind K>
+void unpack_t(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn, int32_t* corr) {
+  using T = Traits<K>;
+  constexpr int64_t S = T::QK / T::SUB, G = T::QK / kGroup;
+  constexpr int kShift = K == WeightKind::Q6_K ? 32 : K == WeightKind::Q5_0 ? 16 : 0;
+  const int64_t blocks = L.in_features / T::QK;
+  const uint8_t* row = L.weight.data_ptr<uint8_t>() + n * blocks * T::BYTES;
+  for (int64_t bi = 0; bi < blocks; ++bi) {
+    const uint8_t* b = row + bi * T::BYTES;
+#ifdef __AVX2__
+    if constexpr (K == WeightKind::Q4_K || K == WeightKind::Q5_K) {
+      __m256 sv, mv;  // the vector unpacking of the 6-bit fields: the scalar one cost as
+      k_factors(b, sv, mv);  // much as the rest of the block
+      _mm256_storeu_ps(sc + bi * S, sv);
+      _mm256_storeu_ps(mn + bi * G, mv);
+    } else
+#endif
+    {
+      float s[S], m[S];
+      block_factors<K>(b, s, m);
+      for (int64_t i = 0; i < S; ++i) sc[bi * S + i] = s[i];
+      if constexpr (kShift == 0)
+        for (int64_t g = 0; g < G; ++g) mn[bi * G + g] = m[g];
+    }
+    int8_t* o = codes + bi * T::QK;
+    int32_t* x = corr + bi * S;  // -128 * sum of each scale's codes: sum(u) - kShift * SUB
+#ifdef __AVX2__
+    // Per group, 8 lanes of sums of 4 codes (lanes 0-3: its first 16 codes); the groups'
+    // horizontal sums then all at once below (a third of the instructions of one each).
+    __m256i sums[G];
+    for_each_group<K>(b, [&](int64_t g, __m256i u) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + g * kGroup),
+                          _mm256_sub_epi8(u, _mm256_set1_epi8(kShift)));
+      sums[g] = _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_set1_epi8(1)),
+                                  _mm256_set1_epi16(1));
+    });
+    block_corrections<T::SUB, G, kShift>(sums, x);
+#else
+    uint8_t u[T::QK];
+    unpack_codes<K>(b, u);
+    for (int64_t k = 0; k < T::QK; ++k) o[k] = static_cast<int8_t>(u[k] - kShift);
+    for (int64_t i = 0; i < S; ++i) {
+      int32_t total = 0;
+      for (int64_t k = i * T::SUB; k < (i + 1) * T::SUB; ++k) total += o[k];
+      x[i] = -128 * total;
+    }
+#endif
+  }
+}
+
 // `case` labels for each stored kind, running CALL(kind) (a compile-time argument).
 #define KVLOOP_STORED_KINDS(CALL)                     \
   case WeightKind::Q4_K: CALL(WeightKind::Q4_K); break; \
@@ -404,6 +492,22 @@ void stored_decode_row(const QLinear& L, int64_t n, float* out) {
 #define DECODE(F) decode_t<F>(L, n, out)
   switch (kind) { KVLOOP_STORED_KINDS(DECODE) }
 #undef DECODE
+}
+
+int64_t stored_gemm_sub(WeightKind kind) {
+  return kind == WeightKind::Q6_K ? 16 : kGroup;
+}
+
+bool stored_gemm_has_min(WeightKind kind) {
+  return kind == WeightKind::Q4_K || kind == WeightKind::Q5_K || kind == WeightKind::Q5_1;
+}
+
+void stored_unpack_row(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn,
+                       int32_t* corr) {
+  const WeightKind kind = L.kind;
+#define UNPACK(F) unpack_t<F>(L, n, codes, sc, mn, corr)
+  switch (kind) { KVLOOP_STORED_KINDS(UNPACK) }
+#undef UNPACK
 }
 
 }  // namespace kvloop

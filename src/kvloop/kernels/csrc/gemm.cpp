@@ -1,0 +1,383 @@
+// The int8 GEMM: quantized weights against batches of activation rows (prefill chunks,
+// decode batches of several sequences), where the row kernels of linear.cpp pay their
+// per-row costs again for every few activation rows and the bf16 path decodes the whole
+// weight to floats every call.
+//
+// The activations are the operand that repeats, so they are laid out for the vector unit
+// once per call (interleave_acts): kGemmLanes rows side by side, 4 bytes of each per 32-bit
+// lane, their block scales lane by lane. A weight row is unpacked once per call into int8
+// codes and its scales (any format: the codes as they dot, the scales as the file has them),
+// then each 4 of its codes are broadcast against a panel of activations: one u8 x s8 dot
+// product instruction (VNNI's vpdpbusd; AVX2's vpmaddubsw + vpmaddwd) advances 8 rows' sums
+// by 4 weights, with no horizontal sums and no permutes. Per group of 16 or 32 weights the
+// integer sums become floats once: sum_k w_k x_k = sc * d_x * (codes . q) (+ mn * d_x sum q).
+//
+// The activations go in as q + 128 (unsigned), so each sum carries 128 * sum(codes) too;
+// the integer accumulator starts at minus that (per weight row and group), which removes
+// it exactly. AVX2's vpmaddubsw adds pairs of u8 x s8 products in int16: with the +128
+// offset that holds only for codes of |c| <= 64 (every 4- to 6-bit format), so 8-bit
+// codes take this path only on VNNI and scalar builds (gemm_supported).
+
+#include "kvloop.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "simd.h"
+
+namespace kvloop {
+namespace {
+
+constexpr int64_t kGroup = 32;
+constexpr int64_t kLanes = kGemmLanes;
+constexpr int64_t kPanelsBytes = 1 << 19;  // activation panels per pass over the weights: in L2
+#ifdef __AVX512VL__
+constexpr int kR = 4, kP = 2;  // weight rows x panels per tile: 32 vector registers
+#elif defined(__AVX2__)
+constexpr int kR = 4, kP = 1;  // 16 vector registers
+#else
+constexpr int kR = 1, kP = 1;
+#endif
+
+// How a layer's codes dot: the weights per scale (16 or 32) and whether a min term follows.
+struct GemmFormat {
+  int64_t sub = kGroup;
+  bool has_min = false;
+};
+
+GemmFormat format_of(const QLinear& L) {
+  if (is_stored(L.kind)) return {stored_gemm_sub(L.kind), stored_gemm_has_min(L.kind)};
+  switch (L.kind) {
+    case WeightKind::Q4:
+    case WeightKind::Q4F: return {kGroup, true};
+    case WeightKind::Q8B: return {L.group, L.has_min};
+    default: return {kGroup, false};  // Q8: one scale per row, repeated per group
+  }
+}
+
+template <bool F32S>
+inline float factor_at(const uint8_t* table, int64_t i) {
+  if constexpr (F32S) {
+    float v;
+    std::memcpy(&v, table + 4 * i, 4);
+    return v;
+  } else {
+    uint16_t h;
+    std::memcpy(&h, table + 2 * i, 2);
+    return half_to_float(h);
+  }
+}
+
+// -128 * the sum of each SUB codes (vectorized: SUB is a constant).
+template <int64_t SUB>
+void corrections(const int8_t* codes, int64_t K, int32_t* corr) {
+  for (int64_t g = 0; g < K / SUB; ++g) {
+    int32_t total = 0;
+    for (int64_t k = 0; k < SUB; ++k) total += codes[g * SUB + k];
+    corr[g] = -128 * total;
+  }
+}
+
+// Weight row n as codes [K], scales [K / sub], mins [K / 32] (has_min), w = sc * c + mn,
+// and the corrections [K / sub].
+void unpack_row(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn,
+                int32_t* corr) {
+  const int64_t K = L.in_features, nb = K / kGroup;
+  if (is_stored(L.kind)) return stored_unpack_row(L, n, codes, sc, mn, corr);
+  switch (L.kind) {
+    case WeightKind::Q8: {
+      std::memcpy(codes, L.weight.data_ptr<int8_t>() + n * K, K);
+      std::fill(sc, sc + nb, L.scales.data_ptr<float>()[n]);
+      break;
+    }
+    case WeightKind::Q8B: {
+      std::memcpy(codes, L.weight.data_ptr<int8_t>() + n * K, K);
+      const int64_t ng = K / L.group, width = L.f32_scales ? 4 : 2;
+      const uint8_t* S = static_cast<const uint8_t*>(L.scales.data_ptr()) +
+                         n * (L.has_min ? 2 : 1) * ng * width;
+      for (int64_t g = 0; g < ng; ++g) {
+        sc[g] = L.f32_scales ? factor_at<true>(S, g) : factor_at<false>(S, g);
+        if (L.has_min)
+          mn[g] = L.f32_scales ? factor_at<true>(S + ng * 4, g) : factor_at<false>(S + ng * 2, g);
+      }
+      break;
+    }
+    default: {  // Q4 / Q4F: a row's scales, then its mins, then 16 code bytes per group
+      const bool f32s = L.kind == WeightKind::Q4F;
+      const int64_t width = f32s ? 4 : 2;
+      const uint8_t* row = L.weight.data_ptr<uint8_t>() + n * nb * (2 * width + 16);
+      const uint8_t* b = row + 2 * width * nb;
+      for (int64_t g = 0; g < nb; ++g) {
+        sc[g] = f32s ? factor_at<true>(row, g) : factor_at<false>(row, g);
+        mn[g] = f32s ? factor_at<true>(row + 4 * nb, g) : factor_at<false>(row + 2 * nb, g);
+        int8_t* o = codes + g * kGroup;
+        for (int j = 0; j < 16; ++j) {  // element j in the low nibble, 16 + j in the high
+          o[j] = static_cast<int8_t>(b[16 * g + j] & 0x0F);
+          o[j + 16] = static_cast<int8_t>(b[16 * g + j] >> 4);
+        }
+      }
+      break;
+    }
+  }
+  if (format_of(L).sub == 16) {
+    corrections<16>(codes, K, corr);
+  } else {
+    corrections<kGroup>(codes, K, corr);
+  }
+}
+
+// A thread's unpacked weight rows: kR rows of codes, scales, mins and corrections.
+struct RowTile {
+  int64_t K = 0, sub = kGroup;
+  std::vector<int8_t> codes;   // [kR, K]
+  std::vector<float> sc, mn;   // [kR, K / sub], [kR, K / 32]
+  std::vector<int32_t> corr;   // [kR, K / sub]: -128 * sum of the group's codes
+
+  void reserve(int64_t K_, int64_t sub_) {
+    K = K_;
+    sub = sub_;
+    codes.resize(kR * K);
+    sc.resize(kR * (K / sub));
+    mn.resize(kR * (K / kGroup));
+    corr.resize(kR * (K / sub));
+  }
+  const int8_t* c(int r) const { return codes.data() + r * K; }
+  const float* s(int r) const { return sc.data() + r * (K / sub); }
+  const float* m(int r) const { return mn.data() + r * (K / kGroup); }
+  const int32_t* x(int r) const { return corr.data() + r * (K / sub); }
+
+  void load(const QLinear& L, int64_t n, int r) {
+    unpack_row(L, n, codes.data() + r * K, sc.data() + r * (K / sub),
+               mn.data() + r * (K / kGroup), corr.data() + r * (K / sub));
+  }
+};
+
+inline void prefetch(const char* p) {
+#ifdef __AVX2__
+  _mm_prefetch(p, _MM_HINT_T0);
+#else
+  (void)p;
+#endif
+}
+
+#ifdef __AVX2__
+// acc + 8 lanes of sums of 4 u8 x s8 products (a: activations + 128, w: 4 codes repeated).
+inline __m256i dot4(__m256i acc, __m256i a, __m256i w) {
+#ifdef KVLOOP_VNNI
+  return _mm256_dpbusd_epi32(acc, a, w);
+#else
+  return _mm256_add_epi32(
+      acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, w), _mm256_set1_epi16(1)));
+#endif
+}
+#endif
+
+// Rows r0..r0+R of the tile against panels p0..p0+P: out[r][p][lane].
+template <int64_t SUB, bool kMin, int R, int P>
+void tile(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* out) {
+  const int64_t K = w.K, nsub = K / SUB;
+  const int64_t pbytes = K * kLanes, pfloats = K / kGroup * kLanes;
+  const uint8_t* A = a.pq.data() + p0 * pbytes;
+  const float* D = a.pd.data() + p0 * pfloats;
+  const float* S = a.ps.data() + p0 * pfloats;
+#ifdef __AVX2__
+  __m256 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm256_setzero_ps();
+  for (int64_t gs = 0; gs < nsub; ++gs) {
+    __m256i ia[R][P];
+    for (int r = 0; r < R; ++r) {
+      const __m256i c = _mm256_set1_epi32(w.x(r0 + r)[gs]);
+      for (int p = 0; p < P; ++p) ia[r][p] = c;
+    }
+    const uint8_t* ag = A + gs * SUB * kLanes;
+    for (int64_t j = 0; j < SUB / 4; ++j) {
+      __m256i av[P];
+      for (int p = 0; p < P; ++p)
+        av[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + p * pbytes + 32 * j));
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, w.c(r0 + r) + gs * SUB + 4 * j, 4);
+        const __m256i wb = _mm256_set1_epi32(four);
+        for (int p = 0; p < P; ++p) ia[r][p] = dot4(ia[r][p], av[p], wb);
+      }
+    }
+    const int64_t g = gs * SUB / kGroup;
+    __m256 dv[P], sv[P];
+    for (int p = 0; p < P; ++p) {
+      dv[p] = _mm256_loadu_ps(D + p * pfloats + g * kLanes);
+      if constexpr (kMin) sv[p] = _mm256_loadu_ps(S + p * pfloats + g * kLanes);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 f = _mm256_set1_ps(w.s(r0 + r)[gs]);
+      for (int p = 0; p < P; ++p)
+        acc[r][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][p]), _mm256_mul_ps(f, dv[p]),
+                                    acc[r][p]);
+      if constexpr (kMin) {
+        const __m256 mv = _mm256_set1_ps(w.m(r0 + r)[g]);
+        for (int p = 0; p < P; ++p) acc[r][p] = _mm256_fmadd_ps(mv, sv[p], acc[r][p]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) _mm256_storeu_ps(out + (r * P + p) * kLanes, acc[r][p]);
+#else
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p)
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const uint8_t* ap = A + p * pbytes + 4 * l;
+        const float* dp = D + p * pfloats + l;
+        const float* sp = S + p * pfloats + l;
+        float total = 0.f;
+        for (int64_t gs = 0; gs < nsub; ++gs) {
+          int32_t dot = w.x(r0 + r)[gs];
+          for (int64_t k = gs * SUB; k < (gs + 1) * SUB; ++k)
+            dot += int32_t(ap[(k / 4) * kLanes * 4 + k % 4]) * int32_t(w.c(r0 + r)[k]);
+          const int64_t g = gs * SUB / kGroup;
+          total += float(dot) * (w.s(r0 + r)[gs] * dp[g * kLanes]);
+          if constexpr (kMin) total += w.m(r0 + r)[g] * sp[g * kLanes];
+        }
+        out[(r * P + p) * kLanes + l] = total;
+      }
+#endif
+}
+
+// Tile results into y[m, n0 + r] for the rows that exist.
+template <int R, int P>
+void scatter(const float* out, int64_t M, int64_t N, int64_t n0, int64_t p0, float* y) {
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p)
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const int64_t m = (p0 + p) * kLanes + l;
+        if (m < M) y[m * N + n0 + r] = out[(r * P + p) * kLanes + l];
+      }
+}
+
+template <int64_t SUB, bool kMin>
+void gemm_t(const QLinear& L, const QuantizedActs& a, float* y) {
+  const int64_t M = a.M, N = L.out_features, K = L.in_features;
+  const int64_t panels = (M + kLanes - 1) / kLanes;
+  const int64_t chunk = std::max<int64_t>(kP, kPanelsBytes / (K * kLanes) / kP * kP);
+  const int64_t tiles = (N + kR - 1) / kR;
+  const auto* base = static_cast<const char*>(L.weight.data_ptr());
+  const int64_t row_bytes = L.weight.size(1) * L.weight.element_size();
+  // Output rows split over the threads, each thread's in order; per tile of kR weight
+  // rows the codes are unpacked once per chunk of activation panels and stay in L1 while
+  // every panel of the chunk passes.
+  for (int64_t c0 = 0; c0 < panels; c0 += chunk) {
+    const int64_t c1 = std::min(panels, c0 + chunk);
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      thread_local RowTile w;
+      w.reserve(K, SUB);
+      float out[kR * kP * kLanes];
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * kR;
+        const int rows = static_cast<int>(std::min<int64_t>(kR, N - n0));
+        for (int r = 0; r < rows; ++r) w.load(L, n0 + r, r);
+        // The next tile's weight bytes requested now, read while this tile computes: the
+        // unpacking otherwise waits on memory at every cache line (the hardware prefetcher
+        // sees a stream that pauses for the whole tile).
+        if (t + 1 < t1) {
+          const int64_t end = std::min<int64_t>(N, n0 + 2 * kR) * row_bytes;
+          for (int64_t off = (n0 + kR) * row_bytes; off < end; off += 64)
+            prefetch(base + off);
+        }
+        if (rows == kR) {
+          int64_t p = c0;
+          for (; p + kP <= c1; p += kP) {
+            tile<SUB, kMin, kR, kP>(w, 0, a, p, out);
+            scatter<kR, kP>(out, M, N, n0, p, y);
+          }
+          for (; p < c1; ++p) {
+            tile<SUB, kMin, kR, 1>(w, 0, a, p, out);
+            scatter<kR, 1>(out, M, N, n0, p, y);
+          }
+        } else {
+          for (int r = 0; r < rows; ++r)
+            for (int64_t p = c0; p < c1; ++p) {
+              tile<SUB, kMin, 1, 1>(w, r, a, p, out);
+              scatter<1, 1>(out, M, N, n0 + r, p, y);
+            }
+        }
+      }
+    });
+  }
+}
+
+}  // namespace
+
+void interleave_acts(QuantizedActs& a) {
+  const int64_t M = a.M, K = a.K, nb = K / kGroup;
+  const int64_t panels = (M + kLanes - 1) / kLanes;
+  // Lanes past the last row hold q = 0 (byte 128) and scale 0: they add nothing.
+  a.pq.resize(panels * K * kLanes);
+  a.pd.resize(panels * nb * kLanes);
+  a.ps.resize(panels * nb * kLanes);
+  at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      uint8_t* dst = a.pq.data() + p * K * kLanes;
+      float* pd = a.pd.data() + p * nb * kLanes;
+      float* ps = a.ps.data() + p * nb * kLanes;
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const int64_t m = p * kLanes + l;
+        if (m >= M) {
+          for (int64_t k4 = 0; k4 < K / 4; ++k4) std::memset(dst + (k4 * kLanes + l) * 4, 128, 4);
+          for (int64_t g = 0; g < nb; ++g) pd[g * kLanes + l] = ps[g * kLanes + l] = 0.f;
+          continue;
+        }
+        const int8_t* q = a.q.data() + m * K;
+        for (int64_t k4 = 0; k4 < K / 4; ++k4) {
+          uint32_t four;
+          std::memcpy(&four, q + 4 * k4, 4);
+          four ^= 0x80808080u;  // q + 128 as unsigned bytes
+          std::memcpy(dst + (k4 * kLanes + l) * 4, &four, 4);
+        }
+        for (int64_t g = 0; g < nb; ++g) {
+          pd[g * kLanes + l] = a.d[m * nb + g];
+          ps[g * kLanes + l] = a.s[m * nb + g];
+        }
+      }
+    }
+  });
+}
+
+void gemm_int8(const QLinear& L, const QuantizedActs& a, float* y) {
+  TORCH_CHECK(L.gemm_supported(), "this layer's format does not run in the int8 GEMM");
+  TORCH_CHECK(a.K == L.in_features && a.pq.size() == static_cast<size_t>(
+                  (a.M + kLanes - 1) / kLanes * a.K * kLanes),
+              "the int8 GEMM needs activations quantized and interleaved for it");
+  const GemmFormat f = format_of(L);
+  if (f.sub == 16) {
+    gemm_t<16, false>(L, a, y);
+  } else if (f.has_min) {
+    gemm_t<kGroup, true>(L, a, y);
+  } else {
+    gemm_t<kGroup, false>(L, a, y);
+  }
+}
+
+bool QLinear::gemm_supported() const {
+  if (!parts.empty())
+    return std::all_of(parts.begin(), parts.end(),
+                       [](const auto& p) { return p->gemm_supported(); });
+  if (wide_acts || kind == WeightKind::F32 || kind == WeightKind::Stack) return false;
+  if (kind == WeightKind::Q8B && has_min && group != kGroup) return false;
+#if defined(__AVX2__) && !defined(KVLOOP_VNNI)
+  // vpmaddubsw's int16 pair sums hold (q + 128) x c only for |c| <= 64 (see the top).
+  if (kind == WeightKind::Q8 || kind == WeightKind::Q8B) return false;
+#endif
+  return true;
+}
+
+void QLinear::set_int8_gemm(int64_t min_rows) {
+  TORCH_CHECK(min_rows >= 0, "min_rows must be >= 0");
+  TORCH_CHECK(min_rows == 0 || gemm_supported(),
+              "this layer's format does not run in the int8 GEMM on this build");
+  for (const auto& p : parts) p->set_int8_gemm(min_rows);
+  gemm_min_rows = min_rows;
+}
+
+}  // namespace kvloop
