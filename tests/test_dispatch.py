@@ -22,7 +22,13 @@ import torch
 from conftest import require_native_kernels
 from kvloop import dispatch
 from kvloop.kernels import build
-from kvloop.kernels.linear import F32, dequantize, linear_reference, quantize_acts_reference
+from kvloop.kernels.linear import (
+    F32,
+    dequantize,
+    linear_reference,
+    quantize_acts16_reference,
+    quantize_acts_reference,
+)
 from kvloop.quant.stored import STORED_KINDS, StoredRows
 from test_block_formats import F16_FIELDS, oracle, random_blocks
 from test_native import LINEAR_RTOL, _gen, _layouts, assert_linear_close
@@ -137,12 +143,14 @@ GEMM_LAYOUTS = ["q8", "q4", "q4f", "q8b-g16", "q8b-min-f32", "q8b-g32-f16",
                 *(f.name for f in STORED_KINDS)]
 
 
-def _gemm_layer(mod: Any, layout: str, N: int, K: int, g: torch.Generator) -> tuple[Any, Any]:
-    """(native layer with a bias, its float64 dense weight) in one of GEMM_LAYOUTS."""
+def _gemm_layer(mod: Any, layout: str, N: int, K: int, g: torch.Generator,
+                wide: bool = False) -> tuple[Any, Any]:
+    """(native layer with a bias, the bias) in one of GEMM_LAYOUTS; wide: int16
+    activations (8-bit layouts only)."""
     bias = torch.randn(N, generator=g)
     if layout in _layouts(8, 32, g):
         kind, w, sc = _layouts(N, K, g)[layout]
-        return mod.QLinear(kind, w, K, sc, bias, False), bias
+        return mod.QLinear(kind, w, K, sc, bias, wide), bias
     fmt = next(f for f in STORED_KINDS if f.name == layout)
     raw = random_blocks(fmt, N, K, seed=int(fmt), scale=0.01)
     _normal_scales(raw, fmt, seed=int(fmt))
@@ -179,6 +187,35 @@ def test_int8_gemm_equals_the_row_kernels(isa: str, layout: str) -> None:
                                    msg=lambda m, what=what: f"{what}: {m}")
         q, d = quantize_acts_reference(x)
         xd = (q.view(M, -1, 32).double() * d.double()[..., None]).view(M, K)
+        assert_linear_close(y, (xd @ dense.T + bias.double()).float(), what)
+
+
+@pytest.mark.parametrize("layout", ["q8", "q8b-g16", "q8b-min-f32", "q8b-g32-f16"])
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512vnni"])
+def test_int8_gemm_with_int16_activations_equals_the_head_kernel(isa: str, layout: str) -> None:
+    """A head's int16 activations (wide_acts) in the GEMM: their low and high bytes as two
+    panels, the sums recombined exactly, equal to the head's row kernel and to the float64
+    reference over the int16 activations. Without VNNI the layer refuses the GEMM."""
+    mod = _module(isa)
+    N, K = 13, 4096
+    g = _gen(len(layout) * 5 + len(isa))
+    lin, bias = _gemm_layer(mod, layout, N, K, g, wide=True)
+    assert lin.wide_acts
+    if not lin.gemm_supported:
+        assert isa == "avx2"
+        return
+    dense = lin.decoded(False).double()
+    for M in GEMM_ROWS:
+        x = torch.randn(M, K, generator=g) * 3
+        lin.set_int8_gemm(0)
+        rows = lin.forward(x)
+        lin.set_int8_gemm(8)
+        y = lin.forward(x)
+        what = f"{isa} {layout} M={M}"
+        torch.testing.assert_close(y, rows, rtol=1e-5, atol=1e-5 * float(rows.abs().max()),
+                                   msg=lambda m, what=what: f"{what}: {m}")
+        q, d = quantize_acts16_reference(x)
+        xd = q.double() * d.double()
         assert_linear_close(y, (xd @ dense.T + bias.double()).float(), what)
 
 

@@ -5,8 +5,9 @@
 //
 // The activations are the operand that repeats, so they are laid out for the vector unit
 // once per call (interleave_acts): kGemmLanes rows side by side, 4 bytes of each per 32-bit
-// lane, their block scales lane by lane. A weight row is unpacked once per call into int8
-// codes and its scales (any format: the codes as they dot, the scales as the file has them),
+// lane, their block scales lane by lane. A weight row is unpacked into int8 codes and its
+// scales once per pass over the activations (one pass for a decode batch; any format: the
+// codes as they dot, the scales as the file has them),
 // then each 4 of its codes are broadcast against a panel of activations: one u8 x s8 dot
 // product instruction (VNNI's vpdpbusd; AVX2's vpmaddubsw + vpmaddwd) advances 8 rows' sums
 // by 4 weights, with no horizontal sums and no permutes. Per group of 16 or 32 weights the
@@ -17,6 +18,11 @@
 // it exactly. AVX2's vpmaddubsw adds pairs of u8 x s8 products in int16: with the +128
 // offset that holds only for codes of |c| <= 64 (every 4- to 6-bit format), so 8-bit
 // codes take this path only on VNNI and scalar builds (gemm_supported).
+//
+// A head's int16 activations (wide_acts) take two such panels: q16 = 256 h + l with l the
+// low byte (0-255) and h + 128 the high one, each dotted with the codes; the sums combine
+// exactly in int32 (|32 x 127 x 32767| < 2^31) as 256 (hi - 128 sum(c)) + lo. Twice the dot
+// products of int8 activations, and still no weight decoded to floats.
 
 #include "kvloop.h"
 
@@ -41,6 +47,8 @@ constexpr int kR = 4, kP = 1;  // 16 vector registers
 #else
 constexpr int kR = 1, kP = 1;
 #endif
+// int16 activations: two accumulators per lane, so half the panels per tile.
+constexpr int kPW = kP > 1 ? kP / 2 : 1;
 
 // How a layer's codes dot: the weights per scale (16 or 32) and whether a min term follows.
 struct GemmFormat {
@@ -175,12 +183,14 @@ inline __m256i dot4(__m256i acc, __m256i a, __m256i w) {
 }
 #endif
 
-// Rows r0..r0+R of the tile against panels p0..p0+P: out[r][p][lane].
-template <int64_t SUB, bool kMin, int R, int P>
+// Rows r0..r0+R of the tile against panels p0..p0+P: out[r][p][lane]. kWide: int16
+// activations, pq their low bytes and pqh their high ones (see the top).
+template <int64_t SUB, bool kMin, bool kWide, int R, int P>
 void tile(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* out) {
   const int64_t K = w.K, nsub = K / SUB;
   const int64_t pbytes = K * kLanes, pfloats = K / kGroup * kLanes;
-  const uint8_t* A = a.pq.data() + p0 * pbytes;
+  const uint8_t* A = (kWide ? a.pqh : a.pq).data() + p0 * pbytes;
+  const uint8_t* AL = kWide ? a.pq.data() + p0 * pbytes : nullptr;
   const float* D = a.pd.data() + p0 * pfloats;
   const float* S = a.ps.data() + p0 * pfloats;
 #ifdef __AVX2__
@@ -189,22 +199,36 @@ void tile(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* o
     for (int p = 0; p < P; ++p) acc[r][p] = _mm256_setzero_ps();
   for (int64_t gs = 0; gs < nsub; ++gs) {
     __m256i ia[R][P];
+    __m256i il[kWide ? R : 1][kWide ? P : 1];  // kWide: the low bytes' sums
     for (int r = 0; r < R; ++r) {
       const __m256i c = _mm256_set1_epi32(w.x(r0 + r)[gs]);
       for (int p = 0; p < P; ++p) ia[r][p] = c;
+      if constexpr (kWide)
+        for (int p = 0; p < P; ++p) il[r][p] = _mm256_setzero_si256();
     }
     const uint8_t* ag = A + gs * SUB * kLanes;
     for (int64_t j = 0; j < SUB / 4; ++j) {
-      __m256i av[P];
-      for (int p = 0; p < P; ++p)
+      __m256i av[P], al[kWide ? P : 1];
+      for (int p = 0; p < P; ++p) {
         av[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + p * pbytes + 32 * j));
+        if constexpr (kWide)
+          al[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+              AL + gs * SUB * kLanes + p * pbytes + 32 * j));
+      }
       for (int r = 0; r < R; ++r) {
         int32_t four;
         std::memcpy(&four, w.c(r0 + r) + gs * SUB + 4 * j, 4);
         const __m256i wb = _mm256_set1_epi32(four);
-        for (int p = 0; p < P; ++p) ia[r][p] = dot4(ia[r][p], av[p], wb);
+        for (int p = 0; p < P; ++p) {
+          ia[r][p] = dot4(ia[r][p], av[p], wb);
+          if constexpr (kWide) il[r][p] = dot4(il[r][p], al[p], wb);
+        }
       }
     }
+    if constexpr (kWide)
+      for (int r = 0; r < R; ++r)
+        for (int p = 0; p < P; ++p)
+          ia[r][p] = _mm256_add_epi32(_mm256_slli_epi32(ia[r][p], 8), il[r][p]);
     const int64_t g = gs * SUB / kGroup;
     __m256 dv[P], sv[P];
     for (int p = 0; p < P; ++p) {
@@ -229,13 +253,18 @@ void tile(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* o
     for (int p = 0; p < P; ++p)
       for (int64_t l = 0; l < kLanes; ++l) {
         const uint8_t* ap = A + p * pbytes + 4 * l;
+        const uint8_t* lp = kWide ? AL + p * pbytes + 4 * l : nullptr;
         const float* dp = D + p * pfloats + l;
         const float* sp = S + p * pfloats + l;
         float total = 0.f;
         for (int64_t gs = 0; gs < nsub; ++gs) {
-          int32_t dot = w.x(r0 + r)[gs];
-          for (int64_t k = gs * SUB; k < (gs + 1) * SUB; ++k)
-            dot += int32_t(ap[(k / 4) * kLanes * 4 + k % 4]) * int32_t(w.c(r0 + r)[k]);
+          int32_t dot = w.x(r0 + r)[gs], low = 0;
+          for (int64_t k = gs * SUB; k < (gs + 1) * SUB; ++k) {
+            const int64_t at = (k / 4) * kLanes * 4 + k % 4;
+            dot += int32_t(ap[at]) * int32_t(w.c(r0 + r)[k]);
+            if constexpr (kWide) low += int32_t(lp[at]) * int32_t(w.c(r0 + r)[k]);
+          }
+          if constexpr (kWide) dot = dot * 256 + low;
           const int64_t g = gs * SUB / kGroup;
           total += float(dot) * (w.s(r0 + r)[gs] * dp[g * kLanes]);
           if constexpr (kMin) total += w.m(r0 + r)[g] * sp[g * kLanes];
@@ -256,11 +285,13 @@ void scatter(const float* out, int64_t M, int64_t N, int64_t n0, int64_t p0, flo
       }
 }
 
-template <int64_t SUB, bool kMin>
+template <int64_t SUB, bool kMin, bool kWide>
 void gemm_t(const QLinear& L, const QuantizedActs& a, float* y) {
+  constexpr int kTileP = kWide ? kPW : kP;
   const int64_t M = a.M, N = L.out_features, K = L.in_features;
   const int64_t panels = (M + kLanes - 1) / kLanes;
-  const int64_t chunk = std::max<int64_t>(kP, kPanelsBytes / (K * kLanes) / kP * kP);
+  const int64_t chunk = std::max<int64_t>(
+      kTileP, kPanelsBytes / (K * kLanes * (kWide ? 2 : 1)) / kTileP * kTileP);
   const int64_t tiles = (N + kR - 1) / kR;
   const auto* base = static_cast<const char*>(L.weight.data_ptr());
   const int64_t row_bytes = L.weight.size(1) * L.weight.element_size();
@@ -287,18 +318,18 @@ void gemm_t(const QLinear& L, const QuantizedActs& a, float* y) {
         }
         if (rows == kR) {
           int64_t p = c0;
-          for (; p + kP <= c1; p += kP) {
-            tile<SUB, kMin, kR, kP>(w, 0, a, p, out);
-            scatter<kR, kP>(out, M, N, n0, p, y);
+          for (; p + kTileP <= c1; p += kTileP) {
+            tile<SUB, kMin, kWide, kR, kTileP>(w, 0, a, p, out);
+            scatter<kR, kTileP>(out, M, N, n0, p, y);
           }
           for (; p < c1; ++p) {
-            tile<SUB, kMin, kR, 1>(w, 0, a, p, out);
+            tile<SUB, kMin, kWide, kR, 1>(w, 0, a, p, out);
             scatter<kR, 1>(out, M, N, n0, p, y);
           }
         } else {
           for (int r = 0; r < rows; ++r)
             for (int64_t p = c0; p < c1; ++p) {
-              tile<SUB, kMin, 1, 1>(w, r, a, p, out);
+              tile<SUB, kMin, kWide, 1, 1>(w, r, a, p, out);
               scatter<1, 1>(out, M, N, n0 + r, p, y);
             }
         }
@@ -309,53 +340,98 @@ void gemm_t(const QLinear& L, const QuantizedActs& a, float* y) {
 
 }  // namespace
 
-void interleave_acts(QuantizedActs& a) {
+namespace {
+// The panels of M rows: bytes(m, k4, hi) the 4 bytes of row m at k4 (hi: the high bytes'
+// panel), d(m, g) and s(m, g) its factors per block of 32. Lanes past the last row hold
+// the bytes of q = 0 (128 in the offset panels, 0 in a low-byte one) and factors 0: they
+// add nothing.
+template <typename Bytes, typename D, typename S>
+void fill_panels(QuantizedActs& a, bool wide, Bytes bytes, D d, S s) {
   const int64_t M = a.M, K = a.K, nb = K / kGroup;
   const int64_t panels = (M + kLanes - 1) / kLanes;
-  // Lanes past the last row hold q = 0 (byte 128) and scale 0: they add nothing.
   a.pq.resize(panels * K * kLanes);
+  a.pqh.resize(wide ? panels * K * kLanes : 0);
   a.pd.resize(panels * nb * kLanes);
   a.ps.resize(panels * nb * kLanes);
   at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      uint8_t* dst = a.pq.data() + p * K * kLanes;
+      for (int h = 0; h < (wide ? 2 : 1); ++h) {
+        uint8_t* dst = (h ? a.pqh : a.pq).data() + p * K * kLanes;
+        const uint32_t empty = wide && h == 0 ? 0u : 0x80808080u;
+        for (int64_t l = 0; l < kLanes; ++l) {
+          const int64_t m = p * kLanes + l;
+          for (int64_t k4 = 0; k4 < K / 4; ++k4) {
+            const uint32_t four = m < M ? bytes(m, k4, h) : empty;
+            std::memcpy(dst + (k4 * kLanes + l) * 4, &four, 4);
+          }
+        }
+      }
       float* pd = a.pd.data() + p * nb * kLanes;
       float* ps = a.ps.data() + p * nb * kLanes;
       for (int64_t l = 0; l < kLanes; ++l) {
         const int64_t m = p * kLanes + l;
-        if (m >= M) {
-          for (int64_t k4 = 0; k4 < K / 4; ++k4) std::memset(dst + (k4 * kLanes + l) * 4, 128, 4);
-          for (int64_t g = 0; g < nb; ++g) pd[g * kLanes + l] = ps[g * kLanes + l] = 0.f;
-          continue;
-        }
-        const int8_t* q = a.q.data() + m * K;
-        for (int64_t k4 = 0; k4 < K / 4; ++k4) {
-          uint32_t four;
-          std::memcpy(&four, q + 4 * k4, 4);
-          four ^= 0x80808080u;  // q + 128 as unsigned bytes
-          std::memcpy(dst + (k4 * kLanes + l) * 4, &four, 4);
-        }
         for (int64_t g = 0; g < nb; ++g) {
-          pd[g * kLanes + l] = a.d[m * nb + g];
-          ps[g * kLanes + l] = a.s[m * nb + g];
+          pd[g * kLanes + l] = m < M ? d(m, g) : 0.f;
+          ps[g * kLanes + l] = m < M ? s(m, g) : 0.f;
         }
       }
     }
   });
 }
+}  // namespace
+
+void interleave_acts(QuantizedActs& a) {
+  const int64_t K = a.K, nb = K / kGroup;
+  fill_panels(
+      a, false,
+      [&](int64_t m, int64_t k4, int) {
+        uint32_t four;
+        std::memcpy(&four, a.q.data() + m * K + 4 * k4, 4);
+        return four ^ 0x80808080u;  // q + 128 as unsigned bytes
+      },
+      [&](int64_t m, int64_t g) { return a.d[m * nb + g]; },
+      [&](int64_t m, int64_t g) { return a.s[m * nb + g]; });
+}
+
+void interleave_acts16(QuantizedActs& a) {
+  const int64_t K = a.K, nb = K / kGroup;
+  fill_panels(
+      a, true,
+      [&](int64_t m, int64_t k4, int hi) {
+        const int16_t* q = a.q16.data() + m * K + 4 * k4;
+        uint32_t four = 0;
+        for (int i = 0; i < 4; ++i) {  // low byte as is; high byte + 128
+          const auto u = static_cast<uint16_t>(q[i]);
+          const uint32_t b = hi ? ((u >> 8) ^ 0x80u) : (u & 0xFFu);
+          four |= b << (8 * i);
+        }
+        return four;
+      },
+      [&](int64_t m, int64_t) { return a.d16[m]; },  // one scale a row
+      [&](int64_t m, int64_t g) { return a.s16[m * nb + g]; });
+}
 
 void gemm_int8(const QLinear& L, const QuantizedActs& a, float* y) {
   TORCH_CHECK(L.gemm_supported(), "this layer's format does not run in the int8 GEMM");
-  TORCH_CHECK(a.K == L.in_features && a.pq.size() == static_cast<size_t>(
-                  (a.M + kLanes - 1) / kLanes * a.K * kLanes),
+  const size_t panel_bytes = (a.M + kLanes - 1) / kLanes * a.K * kLanes;
+  TORCH_CHECK(a.K == L.in_features && a.pq.size() == panel_bytes &&
+                  (!L.wide_acts || a.pqh.size() == panel_bytes),
               "the int8 GEMM needs activations quantized and interleaved for it");
   const GemmFormat f = format_of(L);
-  if (f.sub == 16) {
-    gemm_t<16, false>(L, a, y);
+  if (L.wide_acts) {
+    if (f.sub == 16) {
+      gemm_t<16, false, true>(L, a, y);
+    } else if (f.has_min) {
+      gemm_t<kGroup, true, true>(L, a, y);
+    } else {
+      gemm_t<kGroup, false, true>(L, a, y);
+    }
+  } else if (f.sub == 16) {
+    gemm_t<16, false, false>(L, a, y);
   } else if (f.has_min) {
-    gemm_t<kGroup, true>(L, a, y);
+    gemm_t<kGroup, true, false>(L, a, y);
   } else {
-    gemm_t<kGroup, false>(L, a, y);
+    gemm_t<kGroup, false, false>(L, a, y);
   }
 }
 
@@ -363,10 +439,11 @@ bool QLinear::gemm_supported() const {
   if (!parts.empty())
     return std::all_of(parts.begin(), parts.end(),
                        [](const auto& p) { return p->gemm_supported(); });
-  if (wide_acts || kind == WeightKind::F32 || kind == WeightKind::Stack) return false;
+  if (kind == WeightKind::F32 || kind == WeightKind::Stack) return false;
   if (kind == WeightKind::Q8B && has_min && group != kGroup) return false;
 #if defined(__AVX2__) && !defined(KVLOOP_VNNI)
-  // vpmaddubsw's int16 pair sums hold (q + 128) x c only for |c| <= 64 (see the top).
+  // vpmaddubsw's int16 pair sums hold (q + 128) x c only for |c| <= 64 (see the top); a
+  // head's int16 activations come with 8-bit codes.
   if (kind == WeightKind::Q8 || kind == WeightKind::Q8B) return false;
 #endif
   return true;

@@ -89,6 +89,8 @@ struct QuantizedActs {
   // [K / 4][kGemmLanes][4] bytes q + 128 (unsigned, for the u8 side of the dot product),
   // with its block scales and sums lane by lane: [panel][K / 32][kGemmLanes].
   std::vector<uint8_t> pq;
+  std::vector<uint8_t> pqh;  // int16 activations (interleave_acts16): high bytes + 128; pq
+                             // then holds the low bytes, pd each row's one scale
   std::vector<float> pd, ps;
 };
 
@@ -206,6 +208,8 @@ bool stored_gemm_has_min(WeightKind kind);
 
 // The panels of `a` (QuantizedActs::pq, pd, ps) from its q, d and s.
 void interleave_acts(QuantizedActs& a);
+// The same from its int16 activations (q16, d16, s16): pq and pqh, pd, ps.
+void interleave_acts16(QuantizedActs& a);
 // y[M, N] = x W^T for a layer whose gemm_supported(), from activations quantized and
 // interleaved for it (no bias).
 void gemm_int8(const QLinear& L, const QuantizedActs& a, float* y);

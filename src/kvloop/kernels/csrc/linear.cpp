@@ -990,8 +990,13 @@ void QLinear::apply(const float* x, int64_t M, QuantizedActs& acts, float* y) co
   }
   const bool batched = batched_decode && M >= batched_min_rows;
   if (gemm_min_rows > 0 && M >= gemm_min_rows && !batched) {
-    quantize_acts(x, M, in_features, acts);
-    interleave_acts(acts);
+    if (wide_acts) {
+      quantize_acts16(x, M, in_features, acts);
+      interleave_acts16(acts);
+    } else {
+      quantize_acts(x, M, in_features, acts);
+      interleave_acts(acts);
+    }
     gemm_int8(*this, acts, y);
     if (bias.has_value()) {
       const float* b = bias->data_ptr<float>();
