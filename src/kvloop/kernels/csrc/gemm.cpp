@@ -66,19 +66,6 @@ GemmFormat format_of(const QLinear& L) {
   }
 }
 
-template <bool F32S>
-inline float factor_at(const uint8_t* table, int64_t i) {
-  if constexpr (F32S) {
-    float v;
-    std::memcpy(&v, table + 4 * i, 4);
-    return v;
-  } else {
-    uint16_t h;
-    std::memcpy(&h, table + 2 * i, 2);
-    return half_to_float(h);
-  }
-}
-
 // -128 * the sum of each SUB codes (vectorized: SUB is a constant).
 template <int64_t SUB>
 void corrections(const int8_t* codes, int64_t K, int32_t* corr) {
@@ -107,9 +94,9 @@ void unpack_row(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn
       const uint8_t* S = static_cast<const uint8_t*>(L.scales.data_ptr()) +
                          n * (L.has_min ? 2 : 1) * ng * width;
       for (int64_t g = 0; g < ng; ++g) {
-        sc[g] = L.f32_scales ? factor_at<true>(S, g) : factor_at<false>(S, g);
+        sc[g] = L.f32_scales ? scale_at<true>(S, g) : scale_at<false>(S, g);
         if (L.has_min)
-          mn[g] = L.f32_scales ? factor_at<true>(S + ng * 4, g) : factor_at<false>(S + ng * 2, g);
+          mn[g] = L.f32_scales ? scale_at<true>(S + ng * 4, g) : scale_at<false>(S + ng * 2, g);
       }
       break;
     }
@@ -119,8 +106,8 @@ void unpack_row(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn
       const uint8_t* row = L.weight.data_ptr<uint8_t>() + n * nb * (2 * width + 16);
       const uint8_t* b = row + 2 * width * nb;
       for (int64_t g = 0; g < nb; ++g) {
-        sc[g] = f32s ? factor_at<true>(row, g) : factor_at<false>(row, g);
-        mn[g] = f32s ? factor_at<true>(row + 4 * nb, g) : factor_at<false>(row + 2 * nb, g);
+        sc[g] = f32s ? scale_at<true>(row, g) : scale_at<false>(row, g);
+        mn[g] = f32s ? scale_at<true>(row + 4 * nb, g) : scale_at<false>(row + 2 * nb, g);
         int8_t* o = codes + g * kGroup;
         for (int j = 0; j < 16; ++j) {  // element j in the low nibble, 16 + j in the high
           o[j] = static_cast<int8_t>(b[16 * g + j] & 0x0F);

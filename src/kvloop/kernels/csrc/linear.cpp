@@ -185,19 +185,6 @@ void row_q8(const int8_t* W, const float* scales, const QuantizedActs& A, int64_
   for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c] * scales[n];
 }
 
-// One group's scale or min of a row's table: fp32 (F32S) or fp16.
-template <bool F32S>
-inline float scale_at(const uint8_t* table, int64_t i) {
-  if constexpr (F32S) {
-    float v;
-    std::memcpy(&v, table + 4 * i, 4);
-    return v;
-  } else {
-    uint16_t h;
-    std::memcpy(&h, table + 2 * i, 2);
-    return half_to_float(h);
-  }
-}
 
 #if defined(__AVX2__) && defined(__F16C__)
 template <bool F32S>

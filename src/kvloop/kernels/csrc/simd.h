@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include <c10/util/Half.h>
 
@@ -17,6 +18,20 @@ inline float half_to_float(uint16_t h) {
 #else
   return static_cast<float>(c10::Half(h, c10::Half::from_bits()));
 #endif
+}
+
+// One group's scale or min of a row's table: fp32 (F32S) or fp16.
+template <bool F32S>
+inline float scale_at(const uint8_t* table, int64_t i) {
+  if constexpr (F32S) {
+    float v;
+    std::memcpy(&v, table + 4 * i, 4);
+    return v;
+  } else {
+    uint16_t h;
+    std::memcpy(&h, table + 2 * i, 2);
+    return half_to_float(h);
+  }
 }
 
 #if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
