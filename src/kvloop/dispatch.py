@@ -48,7 +48,7 @@ class GemmPolicy:
 # the GEMM do). So decode batches of 16-64 rows take it (from 8, the float summation order
 # it brings moved the default model's int8 greedy chat replies in test_quant: near-ties).
 # Prefill-sized inputs (65+ rows) keep float activations:
-# the int8 GEMM is only 1.05-1.2x the bf16 GEMM at 512 rows (1.3-1.5x the fp32 one on the
+# the int8 GEMM is only 1.05-1.2x the bf16 GEMM at 512 rows (1.2-1.5x the fp32 one on the
 # avx2 build), and its int8 activations in prefill moved the default model's greedy chat
 # replies off fp32's far sooner than bf16 ones do (int4: median 9 of 32 tokens equal, was
 # 32; perplexity unchanged; benchmarks/quant_quality.py).
