@@ -158,6 +158,18 @@ def _gemm_layer(mod: Any, layout: str, N: int, K: int, g: torch.Generator,
     return mod.QLinear(kind, weight, K, None, bias, False), bias
 
 
+def _gemm_against_row_kernels(lin: Any, x: torch.Tensor, what: str) -> torch.Tensor:
+    """lin's output on x through the int8 GEMM, checked against its row kernels (the same
+    integer sums in another float order); returns the GEMM's."""
+    lin.set_int8_gemm(0)
+    rows = lin.forward(x)
+    lin.set_int8_gemm(8)
+    y = lin.forward(x)
+    torch.testing.assert_close(y, rows, rtol=1e-5, atol=1e-5 * float(rows.abs().max()),
+                               msg=lambda m: f"{what}: {m}")
+    return y
+
+
 @pytest.mark.parametrize("layout", GEMM_LAYOUTS)
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512vnni"])
 def test_int8_gemm_equals_the_row_kernels(isa: str, layout: str) -> None:
@@ -178,13 +190,8 @@ def test_int8_gemm_equals_the_row_kernels(isa: str, layout: str) -> None:
     dense = lin.decoded(False).double()
     for M in GEMM_ROWS:
         x = torch.randn(M, K, generator=g)
-        lin.set_int8_gemm(0)
-        rows = lin.forward(x)  # the row kernels
-        lin.set_int8_gemm(8)
-        y = lin.forward(x)
         what = f"{isa} {layout} M={M}"
-        torch.testing.assert_close(y, rows, rtol=1e-5, atol=1e-5 * float(rows.abs().max()),
-                                   msg=lambda m, what=what: f"{what}: {m}")
+        y = _gemm_against_row_kernels(lin, x, what)
         q, d = quantize_acts_reference(x)
         xd = (q.view(M, -1, 32).double() * d.double()[..., None]).view(M, K)
         assert_linear_close(y, (xd @ dense.T + bias.double()).float(), what)
@@ -207,13 +214,8 @@ def test_int8_gemm_with_int16_activations_equals_the_head_kernel(isa: str, layou
     dense = lin.decoded(False).double()
     for M in GEMM_ROWS:
         x = torch.randn(M, K, generator=g) * 3
-        lin.set_int8_gemm(0)
-        rows = lin.forward(x)
-        lin.set_int8_gemm(8)
-        y = lin.forward(x)
         what = f"{isa} {layout} M={M}"
-        torch.testing.assert_close(y, rows, rtol=1e-5, atol=1e-5 * float(rows.abs().max()),
-                                   msg=lambda m, what=what: f"{what}: {m}")
+        y = _gemm_against_row_kernels(lin, x, what)
         q, d = quantize_acts16_reference(x)
         xd = q.double() * d.double()
         assert_linear_close(y, (xd @ dense.T + bias.double()).float(), what)

@@ -33,8 +33,8 @@ class GemmPolicy:
     quantized_min_rows: int  # int8, 4-bit and GGUF-block layers: weights decoded per chunk
     quantized_bf16: bool  # that GEMM in bf16 (AVX512-BF16 dot products) rather than fp32
     fp32_min_rows: int  # fp32 layers: ATen's GEMM over the weight itself
-    # Quantized layers the int8 GEMM takes (QLinear.gemm_supported: every format but the
-    # head's int16 activations, and 8-bit codes without VNNI) run in it from
+    # Quantized layers the int8 GEMM takes (QLinear.gemm_supported: every format, the
+    # head's int16 activations included, but 8-bit codes without VNNI) run in it from
     # int8_gemm_min_rows rows, ahead of the row kernels, and below int8_gemm_max_rows, from
     # where they too take the decoded-weights GEMM.
     int8_gemm_min_rows: int

@@ -63,11 +63,11 @@ def attach_native_linears(model: CausalLM) -> None:
     uses it at every size.
 
     The layer's one layout serves every batch: small decode batches meet the int8 row
-    kernels (they read only the quantized bytes); larger ones (kvloop.dispatch: 8-64 rows)
-    the int8 GEMM, which unpacks each tile of weight rows once for every activation row
-    (the same int8 activations and integer sums as the row kernels). Prefill-sized inputs,
-    and the batches of a layer the int8 GEMM does not take (the head's int16 activations;
-    8-bit codes without VNNI), decode the weights a chunk of rows at a time into a float
+    kernels (they read only the quantized bytes); larger ones (kvloop.dispatch: 16-64
+    rows) the int8 GEMM, which unpacks each tile of weight rows once for every activation
+    row (the same int8 or, for the head, int16 activations and integer sums as the row
+    kernels). Prefill-sized inputs, and the batches of a layer the int8 GEMM does not take
+    (8-bit codes without VNNI), decode the weights a chunk of rows at a time into a float
     GEMM, in bf16 where AVX512-BF16 makes that ~2x faster (activations rounded to bf16,
     finer than the int8 kernels' per-block rounding; the head's logits too, a step of 2^-8
     of the logit, below the int8 weights' own error: benchmarks/quant_quality.py), else

@@ -76,9 +76,21 @@ void corrections(const int8_t* codes, int64_t K, int32_t* corr) {
   }
 }
 
+}  // namespace
+
+void code_corrections(const int8_t* codes, int64_t K, int64_t sub, int32_t* corr) {
+  if (sub == 16) {
+    corrections<16>(codes, K, corr);
+  } else {
+    corrections<kGroup>(codes, K, corr);
+  }
+}
+
+namespace {
+
 // Weight row n as codes [K], scales [K / sub], mins [K / 32] (has_min), w = sc * c + mn,
-// and the corrections [K / sub].
-void unpack_row(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn,
+// and the corrections [K / sub] (sub: format_of(L).sub).
+void unpack_row(const QLinear& L, int64_t n, int64_t sub, int8_t* codes, float* sc, float* mn,
                 int32_t* corr) {
   const int64_t K = L.in_features, nb = K / kGroup;
   if (is_stored(L.kind)) return stored_unpack_row(L, n, codes, sc, mn, corr);
@@ -117,11 +129,7 @@ void unpack_row(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn
       break;
     }
   }
-  if (format_of(L).sub == 16) {
-    corrections<16>(codes, K, corr);
-  } else {
-    corrections<kGroup>(codes, K, corr);
-  }
+  code_corrections(codes, K, sub, corr);
 }
 
 // A thread's unpacked weight rows: kR rows of codes, scales, mins and corrections.
@@ -145,7 +153,7 @@ struct RowTile {
   const int32_t* x(int r) const { return corr.data() + r * (K / sub); }
 
   void load(const QLinear& L, int64_t n, int r) {
-    unpack_row(L, n, codes.data() + r * K, sc.data() + r * (K / sub),
+    unpack_row(L, n, sub, codes.data() + r * K, sc.data() + r * (K / sub),
                mn.data() + r * (K / kGroup), corr.data() + r * (K / sub));
   }
 };

@@ -185,6 +185,7 @@ struct QLinear {
 
  private:
   void run_batched_decode(const float* x, int64_t M, QuantizedActs& scratch, float* y) const;
+  void add_bias(float* y, int64_t M) const;  // y [M, N] += bias, where there is one
 };
 
 // GGUF blocks as stored (stored_blocks.cpp).
@@ -203,6 +204,8 @@ void stored_unpack_row(const QLinear& L, int64_t n, int8_t* codes, float* sc, fl
                        int32_t* corr);
 int64_t stored_gemm_sub(WeightKind kind);
 bool stored_gemm_has_min(WeightKind kind);
+// corr[g] = -128 * the sum of codes [g * sub, (g + 1) * sub) (sub 16 or 32), for g < K / sub.
+void code_corrections(const int8_t* codes, int64_t K, int64_t sub, int32_t* corr);
 
 // ---- the int8 GEMM (gemm.cpp) ----
 

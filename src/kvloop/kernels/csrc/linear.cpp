@@ -185,7 +185,6 @@ void row_q8(const int8_t* W, const float* scales, const QuantizedActs& A, int64_
   for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c] * scales[n];
 }
 
-
 #if defined(__AVX2__) && defined(__F16C__)
 template <bool F32S>
 inline __m256 scales8(const uint8_t* table, int64_t i) {  // 8 scales from group i on
@@ -775,11 +774,14 @@ void QLinear::run(const float* x, const QuantizedActs* acts, int64_t M, float* y
       for (; n < n1; ++n) row_all<kCols>(*this, x, acts, m0, m1, n, y);
     });
   }
-  if (bias.has_value()) {
-    const float* b = bias->data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t n = 0; n < N; ++n) y[m * N + n] += b[n];
-  }
+  add_bias(y, M);
+}
+
+void QLinear::add_bias(float* y, int64_t M) const {
+  if (!bias.has_value()) return;
+  const float* b = bias->data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < out_features; ++n) y[m * out_features + n] += b[n];
 }
 
 at::Tensor QLinear::forward(const at::Tensor& x_) const {
@@ -985,11 +987,7 @@ void QLinear::apply(const float* x, int64_t M, QuantizedActs& acts, float* y) co
       interleave_acts(acts);
     }
     gemm_int8(*this, acts, y);
-    if (bias.has_value()) {
-      const float* b = bias->data_ptr<float>();
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < out_features; ++n) y[m * out_features + n] += b[n];
-    }
+    add_bias(y, M);
   } else if (batched) {
     run_batched_decode(x, M, acts, y);
   } else if (wide_acts) {

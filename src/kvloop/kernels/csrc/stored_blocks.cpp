@@ -404,8 +404,9 @@ inline void block_corrections(const __m256i* sums, int32_t* corr) {
 #endif
 
 // Row n as the GEMM takes it (gemm.cpp): signed codes c with w = sc[k / SUB] * c + mn[k / 32]
-// (mn only for the formats with a min), and per scale -128 * the sum of its codes. Formats whose min is a fixed multiple of the scale
-// (Q5_0: -16 d; Q6_K: -32 d sc) fold it into the codes, which then need no min term.
+// (mn only for the formats with a min), and per scale -128 * the sum of its codes. Formats
+// whose min is a fixed multiple of the scale (Q5_0: -16 d; Q6_K: -32 d sc) fold it into the
+// codes, which then need no min term.
 template <WeightKind K>
 void unpack_t(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn, int32_t* corr) {
   using T = Traits<K>;
@@ -447,11 +448,7 @@ void unpack_t(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn, 
     uint8_t u[T::QK];
     unpack_codes<K>(b, u);
     for (int64_t k = 0; k < T::QK; ++k) o[k] = static_cast<int8_t>(u[k] - kShift);
-    for (int64_t i = 0; i < S; ++i) {
-      int32_t total = 0;
-      for (int64_t k = i * T::SUB; k < (i + 1) * T::SUB; ++k) total += o[k];
-      x[i] = -128 * total;
-    }
+    code_corrections(o, T::QK, T::SUB, x);
 #endif
   }
 }
