@@ -37,11 +37,9 @@ from kvloop.server.background import BackgroundServer  # noqa: E402
 from test_server_load import (  # noqa: E402
     NUM_CLIENTS,
     NUM_REQUESTS,
-    Job,
-    Result,
     expect,
     make_jobs,
-    run_job,
+    run_load,
 )
 
 # Routing workload: 8 system prompts of 8 blocks, 16 requests each, in a shuffled order.
@@ -150,23 +148,7 @@ def test_prefix_routing_keeps_one_replicas_hit_rate_round_robin_does_not(
 def test_200_requests_from_32_clients_on_two_replicas(cluster: Cluster) -> None:
     jobs = make_jobs(random.Random(0))
     expect(jobs, LLM(cluster.model, kv_cache_memory="32MiB"))
-    queue: asyncio.Queue[Job] = asyncio.Queue()
-    for job in jobs:
-        queue.put_nowait(job)
-    results: dict[int, Result] = {}
-
-    async def client_loop() -> None:
-        async with httpx.AsyncClient(base_url=cluster.server.url, timeout=180) as client:
-            while not queue.empty():
-                job = queue.get_nowait()
-                results[job.i] = await run_job(client, job)
-
-    async def main() -> None:
-        await asyncio.gather(*(client_loop() for _ in range(NUM_CLIENTS)))
-
-    t0 = time.perf_counter()
-    asyncio.run(main())
-    elapsed = time.perf_counter() - t0
+    results, elapsed = run_load(cluster.server.url, jobs, timeout=180)
 
     assert sorted(results) == list(range(NUM_REQUESTS))  # none lost
     ids = [r.id for r in results.values()]

@@ -21,6 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
+from kvloop.client import probe
+
 pytestmark = pytest.mark.slow
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "build" / "test-artifacts"
@@ -65,11 +67,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         while True:
             assert proc.poll() is None, f"kvloop serve exited:\n{log.read_text()}"
             assert time.monotonic() < deadline, f"kvloop serve did not start:\n{log.read_text()}"
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+            if probe(url) == "ok":
+                break
             time.sleep(0.25)
         yield url
     finally:

@@ -185,16 +185,16 @@ def metric(text: str, name: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def test_200_requests_from_32_clients(server: BackgroundServer, tiny_model_dir: Path) -> None:
-    jobs = make_jobs(random.Random(0))
-    expect(jobs, LLM(str(tiny_model_dir), kv_cache_memory="32MiB"))
+def run_load(url: str, jobs: list[Job], timeout: float) -> tuple[dict[int, Result], float]:
+    """The jobs from NUM_CLIENTS clients at once, each taking the next job as it finishes
+    one: (results by job index, seconds from the first request to the last answer)."""
     queue: asyncio.Queue[Job] = asyncio.Queue()
     for job in jobs:
         queue.put_nowait(job)
     results: dict[int, Result] = {}
 
     async def client_loop() -> None:
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+        async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
             while not queue.empty():
                 job = queue.get_nowait()
                 results[job.i] = await run_job(client, job)
@@ -204,7 +204,13 @@ def test_200_requests_from_32_clients(server: BackgroundServer, tiny_model_dir: 
 
     t0 = time.perf_counter()
     asyncio.run(main())
-    elapsed = time.perf_counter() - t0
+    return results, time.perf_counter() - t0
+
+
+def test_200_requests_from_32_clients(server: BackgroundServer, tiny_model_dir: Path) -> None:
+    jobs = make_jobs(random.Random(0))
+    expect(jobs, LLM(str(tiny_model_dir), kv_cache_memory="32MiB"))
+    results, elapsed = run_load(server.url, jobs, timeout=120)
 
     assert sorted(results) == list(range(NUM_REQUESTS))  # none lost
     ids = [r.id for r in results.values()]
