@@ -58,7 +58,24 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     return float(nll.exp())
 
 
+def top1_agreement(logits: torch.Tensor, ref: torch.Tensor) -> float:
+    """Teacher-forced: the fraction of positions whose most likely next token is fp32's."""
+    return float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
+
+
+def kl_divergence(logits: torch.Tensor, ref: torch.Tensor) -> float:
+    """Mean KL(fp32 || quantized) of the next-token distributions, in nats (what
+    llama-perplexity --kl-divergence reports)."""
+    lp, lq = ref.log_softmax(-1), logits.log_softmax(-1)
+    return float((lp.exp() * (lp - lq)).sum(-1).mean())
+
+
 def evaluate(quantization: str, ref: dict | None = None) -> dict:
+    """Scores on the fixed text (prefill path and decode path) and, teacher-forced, on
+    fp32's greedy chat replies: each reply scored after its prompt in one prefill pass,
+    so one rounding difference cannot carry into every later token, as it does in
+    free-running greedy agreement (reported too: it is what a user sees, but a near-tie
+    early in a reply decides it)."""
     llm = LLM(quantization=quantization)
     text_ids = llm.tokenizer.encode(TEXT * 4, add_special_tokens=False)[:256]
     logits = all_logits(llm, text_ids)
@@ -72,6 +89,15 @@ def evaluate(quantization: str, ref: dict | None = None) -> dict:
     if ref is not None:
         res["logit_err"] = float((logits - ref["logits"]).abs().mean())
         res["decode_logit_err"] = float((dlogits - ref["dlogits"]).abs().mean())
+        res["top1"] = top1_agreement(logits, ref["logits"])
+        res["decode_top1"] = top1_agreement(dlogits, ref["dlogits"])
+        res["kld"] = kl_divergence(logits, ref["logits"])
+        hits = total = 0
+        for chat, reply in zip(chats, ref["greedy"], strict=True):
+            scored = all_logits(llm, chat + reply)[len(chat) - 1:-1].argmax(-1)  # [len(reply)]
+            hits += int((scored == torch.tensor(reply)).sum())
+            total += len(reply)
+        res["reply_top1"] = hits / total
         agree = []
         for a, b in zip(greedy, ref["greedy"], strict=True):
             n = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
@@ -91,30 +117,38 @@ def main() -> None:
     lines = [
         "## Quantized weights against fp32 (default model)",
         "",
-        "`python benchmarks/quant_quality.py`: perplexity on a fixed 256-token English text, "
-        "mean |logit - fp32 logit| over its positions, and how many of the first "
-        f"{AGREE_TOKENS} greedy tokens of 8 chat replies equal fp32's (median, min). int4 "
-        "takes the GGUF's Q4_1 blocks as stored; its output head is int8. Each text is "
-        "scored twice: in one 256-token prefill pass (on CPUs with AVX512-BF16, as here, "
-        "quantized layers and the head run such large inputs through a bf16 copy of their "
-        "weights: activations and outputs rounded to bf16; this is also the path of decode "
-        "batches of 16+ sequences) and one decode step per position through the native "
-        "decoder (quantized layers round activations to int8 per block of 32, as llama.cpp "
-        "does; the head takes int16 activations), the path of batch-1 generation.",
+        "`python benchmarks/quant_quality.py`: perplexity on a fixed 256-token English text; "
+        "mean |logit - fp32 logit| and KL(fp32 || quantized) over its positions; "
+        "teacher-forced top-1 agreement (the fraction of positions whose most likely next "
+        "token is fp32's) on that text and on fp32's greedy replies to 8 chat prompts "
+        f"(first {AGREE_TOKENS} tokens, each reply scored after its prompt); and, "
+        "free-running, how many of those replies' first tokens each greedy run reproduces "
+        "(median, min of 8: one near-tie early in a reply moves all later tokens, so this "
+        "swings with any change of rounding). int4 takes the GGUF's Q4_1 blocks as stored; "
+        "its output head is int8. Each text is scored twice: in one 256-token prefill pass "
+        "(quantized layers run it in the int8 GEMM: activations rounded to int8 per block "
+        "of 32, as llama.cpp does) and one decode step per position through the native "
+        "decoder (the row kernels, the same rounding; the head takes int16 activations), "
+        "the path of batch-1 generation.",
         "",
-        "| weights | MB read per decode step | perplexity, prefill path | perplexity, decode "
-        "path | mean abs logit error, prefill / decode path "
-        "| greedy tokens equal to fp32 (median / min of 8) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| weights | MB read per decode step | perplexity, prefill / decode path "
+        "| mean abs logit error, prefill / decode | KL divergence | top-1 agreement, text "
+        "prefill / decode | top-1 agreement, replies | free-running greedy tokens equal "
+        "(median / min of 8) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in rows:
         agree = r.get("agree")
         ag = (f"{sorted(agree)[len(agree) // 2]} / {min(agree)}" if agree
               else f"{AGREE_TOKENS} / {AGREE_TOKENS}")
-        err = (f"{r['logit_err']:.3f} / {r['decode_logit_err']:.3f}" if "logit_err" in r
-               else "0 / 0")
-        lines.append(f"| {name} | {r['bytes'] / 1e6:.0f} | {r['ppl']:.3f} | "
-                     f"{r['decode_ppl']:.3f} | {err} | {ag} |")
+        if "logit_err" in r:
+            err = f"{r['logit_err']:.3f} / {r['decode_logit_err']:.3f}"
+            kld, top1 = f"{r['kld']:.4f}", f"{r['top1']:.1%} / {r['decode_top1']:.1%}"
+            reply = f"{r['reply_top1']:.1%}"
+        else:
+            err, kld, top1, reply = "0 / 0", "0", "100% / 100%", "100%"
+        lines.append(f"| {name} | {r['bytes'] / 1e6:.0f} | {r['ppl']:.3f} / "
+                     f"{r['decode_ppl']:.3f} | {err} | {kld} | {top1} | {reply} | {ag} |")
     publish("\n".join(lines), args.write, "quant-quality")
 
 

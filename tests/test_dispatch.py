@@ -36,6 +36,7 @@ from test_native import LINEAR_RTOL, _gen, _layouts, assert_linear_close
 # Every row count either side of a threshold of any policy (16, 65), of the kernels' 4- and
 # 8-row activation tiles, and of the runner's largest native batch (64), up to a prefill.
 ROWS = (1, 2, 7, 8, 15, 16, 17, 31, 32, 33, 64, 65, 128, 512)
+NEVER = 1 << 30  # a row count no batch reaches
 LAYOUTS = ["f32", "q8", "q4", "q4f", "q8b-g16", "q8b-min-f32", "q8b-g32-f16"]
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,11 +71,13 @@ def test_every_path_matches_float64_at_threshold_rows(isa: str, layout: str) -> 
     lin = mod.QLinear(kind, w, K, sc, bias, False)
     min_rows = p.fp32_min_rows if kind == F32 else p.quantized_min_rows
     bf16 = kind != F32 and p.quantized_bf16
-    gemm_rows = p.int8_gemm_min_rows if lin.gemm_supported else 0
-    if gemm_rows:  # as models.native.attach_native_linears sets them
-        min_rows = max(min_rows, p.int8_gemm_max_rows)
-    lin.set_batched_decode(min_rows, bf16)
-    lin.set_int8_gemm(gemm_rows)
+    # As models.native.attach_native_linears sets them: the int8 GEMM from its row count
+    # at every size where the layer supports it, else the decoded-weights GEMM.
+    if lin.gemm_supported:
+        min_rows = NEVER
+        lin.set_int8_gemm(p.int8_gemm_min_rows)
+    else:
+        lin.set_batched_decode(min_rows, bf16)
     dense = dequantize(kind, w, K, sc).double()
     for M in ROWS:
         x = torch.randn(M, K, generator=g)
@@ -116,8 +119,7 @@ def test_stored_blocks_match_gguf_float64_at_threshold_rows(isa: str, fmt: Any) 
     assert lin.weight_bytes == raw.nbytes + 4 * N  # the blocks as stored, and the bias
     dense = gguf_w.double()
     assert lin.gemm_supported  # 4- to 6-bit codes: every build
-    min_rows = max(p.quantized_min_rows, p.int8_gemm_max_rows)
-    lin.set_batched_decode(min_rows, p.quantized_bf16)
+    min_rows = NEVER  # the int8 GEMM from its row count at every size, as models.native sets
     lin.set_int8_gemm(p.int8_gemm_min_rows)
     for M in ROWS:
         x = torch.randn(M, K, generator=g)
@@ -264,7 +266,7 @@ def test_policy_is_per_cpu_class() -> None:
     assert not dispatch.FP32_POLICY.quantized_bf16 and dispatch.BF16_POLICY.quantized_bf16
     for p in (dispatch.BF16_POLICY, dispatch.FP32_POLICY):
         assert 1 <= p.quantized_min_rows <= 1024 and 1 <= p.fp32_min_rows <= 1024
-        assert 1 <= p.int8_gemm_min_rows < p.int8_gemm_max_rows
+        assert 1 <= p.int8_gemm_min_rows <= 64
 
 
 def _run(code: str, isa: str) -> str:

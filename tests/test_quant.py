@@ -76,15 +76,23 @@ def test_int8_linear_matches_its_dequantized_weight():
 
 @pytest.mark.slow
 def test_quantized_models_stay_close_to_fp32():
-    """int8 and int4 against fp32: perplexity within 5%, small mean logit error, and most
-    chat replies' first 32 greedy tokens equal (figures in BENCHMARKS.md)."""
+    """int8 and int4 against fp32: perplexity within 5%, small mean logit error and KL
+    divergence, and, teacher-forced, the same most likely next token at nearly every
+    position of a text (prefill and decode paths) and of fp32's greedy chat replies
+    (figures in BENCHMARKS.md). Not free-running greedy agreement: one near-tie early in a
+    reply moves every later token, so any change of rounding (bf16 or int8 activations, a
+    summation order) swings it from 32 of 32 tokens to 0 on some prompt."""
     sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-    from quant_quality import AGREE_TOKENS, evaluate
+    from quant_quality import evaluate
 
     ref = evaluate("none")
     for mode, max_err in (("int8", 0.5), ("int4", 0.2)):
         r = evaluate(mode, ref)
-        assert abs(r["ppl"] / ref["ppl"] - 1) < 0.05, (mode, r["ppl"], ref["ppl"])
-        assert r["logit_err"] < max_err, (mode, r["logit_err"])
-        assert sorted(r["agree"])[len(r["agree"]) // 2] >= AGREE_TOKENS * 3 // 4, r["agree"]
+        what = (mode, {k: r[k] for k in ("ppl", "logit_err", "kld", "top1", "decode_top1",
+                                          "reply_top1", "agree")})
+        assert abs(r["ppl"] / ref["ppl"] - 1) < 0.05, what
+        assert abs(r["decode_ppl"] / ref["decode_ppl"] - 1) < 0.05, what
+        assert r["logit_err"] < max_err and r["decode_logit_err"] < max_err, what
+        assert r["kld"] < 0.01, what
+        assert min(r["top1"], r["decode_top1"]) >= 0.97 and r["reply_top1"] >= 0.95, what
         assert r["bytes"] < ref["bytes"] / 3.5  # the point: far fewer bytes per step

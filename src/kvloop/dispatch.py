@@ -35,28 +35,29 @@ class GemmPolicy:
     fp32_min_rows: int  # fp32 layers: ATen's GEMM over the weight itself
     # Quantized layers the int8 GEMM takes (QLinear.gemm_supported: every format, the
     # head's int16 activations included, but 8-bit codes without VNNI) run in it from
-    # int8_gemm_min_rows rows, ahead of the row kernels, and below int8_gemm_max_rows, from
-    # where they too take the decoded-weights GEMM.
+    # int8_gemm_min_rows rows, prefill included, instead of the row kernels and of the
+    # decoded-weights GEMM (quantized_min_rows serves the layers it does not take).
     int8_gemm_min_rows: int
-    int8_gemm_max_rows: int
 
 
 # The int8 GEMM against the other paths, one core, Llama-3.2-1B-shaped Q4_K_M and Q8_0
 # layers (2048 -> 16384 Q4_K, 8192 -> 2048 Q6_K, Q8_0): at 8 rows it ties the row kernels
 # on Q4_K and beats them on Q6_K and Q8_0 (1.2-1.5x); from 16 rows it is 1.4-2x both the
 # row kernels and the bf16 GEMM over decoded weights (decoding alone costs what 8 rows of
-# the GEMM do). So decode batches of 16-64 rows take it (from 8, the float summation order
+# the GEMM do). So batches of 16 rows and more take it (from 8, the float summation order
 # it brings moved the default model's int8 greedy chat replies in test_quant: near-ties).
-# Prefill-sized inputs (65+ rows) keep float activations:
-# the int8 GEMM is only 1.05-1.2x the bf16 GEMM at 512 rows (1.2-1.5x the fp32 one on the
-# avx2 build), and its int8 activations in prefill moved the default model's greedy chat
-# replies off fp32's far sooner than bf16 ones do (int4: median 9 of 32 tokens equal, was
-# 32; perplexity unchanged; benchmarks/quant_quality.py).
-# AVX512-BF16 (Zen 4 here): the rest decoded to bf16, oneDNN's bf16 GEMM ~2x the row
-# kernels' rate from 16 rows; fp32 layers: the native kernels up to 64 rows.
-BF16_POLICY = GemmPolicy("AVX512-BF16", 16, True, 65, 16, 65)
+# At prefill sizes it still leads: 512 rows of the same layers, 2 threads, 1.1-1.4x the
+# bf16 GEMM (gate/up 84 vs 117 ms, down 45 vs 51 ms) and 1.2-1.5x the fp32 one on the avx2
+# build. Its int8 activations cost no measured quality against the bf16 ones there:
+# teacher-forced top-1 agreement with fp32 and perplexity are the same (test_quant,
+# benchmarks/quant_quality.py); free-running greedy replies part from fp32's sooner, at
+# near-ties, as any change of rounding makes them.
+# AVX512-BF16 (Zen 4 here): the layers the GEMM does not take decoded to bf16, oneDNN's
+# bf16 GEMM ~2x the row kernels' rate from 16 rows; fp32 layers: the native kernels up to
+# 64 rows.
+BF16_POLICY = GemmPolicy("AVX512-BF16", 16, True, 65, 16)
 # Without fast bf16 (AVX2 + FMA, or AVX-512 without BF16): decoded to fp32.
-FP32_POLICY = GemmPolicy("AVX2 + FMA", 65, False, 65, 16, 65)
+FP32_POLICY = GemmPolicy("AVX2 + FMA", 65, False, 65, 16)
 # The AVX512-BF16 row threshold under the name the kernel tests use.
 BF16_MIN_ROWS = BF16_POLICY.quantized_min_rows
 
@@ -86,10 +87,9 @@ def quantized_batched_path() -> tuple[int, bool]:
     return p.quantized_min_rows, p.quantized_bf16
 
 
-def int8_gemm_rows() -> tuple[int, int]:
-    """[min, max) rows of a quantized layer the int8 GEMM supports that run in it."""
-    p = policy()
-    return p.int8_gemm_min_rows, p.int8_gemm_max_rows
+def int8_gemm_min_rows() -> int:
+    """The rows from which a quantized layer the int8 GEMM supports runs in it."""
+    return policy().int8_gemm_min_rows
 
 
 def fp32_batched_min_rows() -> int:

@@ -63,22 +63,19 @@ def attach_native_linears(model: CausalLM) -> None:
     uses it at every size.
 
     The layer's one layout serves every batch: small decode batches meet the int8 row
-    kernels (they read only the quantized bytes); larger ones (kvloop.dispatch: 16-64
-    rows) the int8 GEMM, which unpacks each tile of weight rows once for every activation
-    row (the same int8 or, for the head, int16 activations and integer sums as the row
-    kernels). Prefill-sized inputs, and the batches of a layer the int8 GEMM does not take
-    (8-bit codes without VNNI), decode the weights a chunk of rows at a time into a float
-    GEMM, in bf16 where AVX512-BF16 makes that ~2x faster (activations rounded to bf16,
-    finer than the int8 kernels' per-block rounding; the head's logits too, a step of 2^-8
-    of the logit, below the int8 weights' own error: benchmarks/quant_quality.py), else
-    fp32."""
+    kernels (they read only the quantized bytes); from 16 rows (kvloop.dispatch), decode
+    batches and prefill alike, the int8 GEMM, which unpacks each tile of weight rows once
+    for every activation row (the same int8 or, for the head, int16 activations and
+    integer sums as the row kernels). The layers the int8 GEMM does not take (8-bit codes
+    without VNNI) decode the weights a chunk of rows at a time into a float GEMM for such
+    batches, in bf16 where AVX512-BF16 makes that ~2x faster (activations rounded to bf16),
+    else fp32."""
     min_rows, bf16 = dispatch.quantized_batched_path()
-    gemm_min, gemm_max = dispatch.int8_gemm_rows()
+    gemm_min = dispatch.int8_gemm_min_rows()
 
     def policy(native: Any) -> None:
-        if native.gemm_supported:  # decode batches: the int8 GEMM; prefill: float GEMMs
+        if native.gemm_supported:
             native.set_int8_gemm(gemm_min)
-            native.set_batched_decode(max(min_rows, gemm_max), bf16)
         else:
             native.set_batched_decode(min_rows, bf16)
 
@@ -93,6 +90,12 @@ def attach_native_linears(model: CausalLM) -> None:
             policy(module.native)
 
 
+def has_batched_path(native: Any) -> bool:
+    """Whether a native layer runs large inputs in a GEMM (the int8 one, or ATen's over
+    decoded weights) rather than through the row kernels a row at a time."""
+    return bool(native.gemm_min_rows > 0 or native.batched_min_rows > 0)
+
+
 def native_prefill_ready(model: CausalLM) -> bool:
     """Whether prefill-sized inputs through the native decoder run GEMMs at least as fast as
     the modules': every layer but the head (only sampled rows reach it) has a batched path
@@ -101,7 +104,7 @@ def native_prefill_ready(model: CausalLM) -> bool:
     if not native_supported(model):
         return False
     head = model.lm_head
-    return all(m.native is not None and m.native.batched_min_rows > 0
+    return all(m.native is not None and has_batched_path(m.native)
                for m in model.modules()
                if m is not head and isinstance(m, Int8Linear | Int4Linear | BlockLinear))
 

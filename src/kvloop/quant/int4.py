@@ -120,7 +120,8 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         native = self.native
-        if native is not None and (x.shape[0] <= NATIVE_MAX_ROWS or native.batched_min_rows):
+        if native is not None and (x.shape[0] <= NATIVE_MAX_ROWS
+                                   or native.gemm_min_rows or native.batched_min_rows):
             return native.forward(x)  # type: ignore[no-any-return]
         packed, scales_zeros = self._fallback_weights()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
