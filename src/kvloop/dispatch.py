@@ -33,10 +33,11 @@ class GemmPolicy:
     quantized_min_rows: int  # int8, 4-bit and GGUF-block layers: weights decoded per chunk
     quantized_bf16: bool  # that GEMM in bf16 (AVX512-BF16 dot products) rather than fp32
     fp32_min_rows: int  # fp32 layers: ATen's GEMM over the weight itself
-    # Quantized layers the int8 GEMM takes (QLinear.gemm_supported: every format, the
-    # head's int16 activations included, but 8-bit codes without VNNI) run in it from
-    # int8_gemm_min_rows rows, prefill included, instead of the row kernels and of the
-    # decoded-weights GEMM (quantized_min_rows serves the layers it does not take).
+    # Quantized layers the int8 GEMM takes (QLinear.gemm_supported: every format and the
+    # head's int16 activations, but not both 8-bit codes and int16 activations without
+    # VNNI) run in it from int8_gemm_min_rows rows, prefill included, instead of the row
+    # kernels and of the decoded-weights GEMM (quantized_min_rows serves the layers it
+    # does not take).
     int8_gemm_min_rows: int
 
 

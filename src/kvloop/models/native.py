@@ -66,8 +66,8 @@ def attach_native_linears(model: CausalLM) -> None:
     kernels (they read only the quantized bytes); from 16 rows (kvloop.dispatch), decode
     batches and prefill alike, the int8 GEMM, which unpacks each tile of weight rows once
     for every activation row (the same int8 or, for the head, int16 activations and
-    integer sums as the row kernels). The layers the int8 GEMM does not take (8-bit codes
-    without VNNI) decode the weights a chunk of rows at a time into a float GEMM for such
+    integer sums as the row kernels). The layers the int8 GEMM does not take (a head's 8-bit
+    codes without VNNI) decode the weights a chunk of rows at a time into a float GEMM for such
     batches, in bf16 where AVX512-BF16 makes that ~2x faster (activations rounded to bf16),
     else fp32."""
     min_rows, bf16 = dispatch.quantized_batched_path()

@@ -16,8 +16,10 @@
 // The activations go in as q + 128 (unsigned), so each sum carries 128 * sum(codes) too;
 // the integer accumulator starts at minus that (per weight row and group), which removes
 // it exactly. AVX2's vpmaddubsw adds pairs of u8 x s8 products in int16: with the +128
-// offset that holds only for codes of |c| <= 64 (every 4- to 6-bit format), so 8-bit
-// codes take this path only on VNNI and scalar builds (gemm_supported).
+// offset that holds only for codes of |c| <= 64 (every 4- to 6-bit format). 8-bit codes
+// on AVX2 without VNNI (kSigned8) dot the other way round: the codes' magnitudes are the
+// unsigned operand and the activations, back to signed q, take the codes' signs
+// (vpsignb), so a pair sums at most 2 x 128 x 127 < 2^15 and no offset is there to remove.
 //
 // A head's int16 activations (wide_acts) take two such panels: q16 = 256 h + l with l the
 // low byte (0-255) and h + 128 the high one, each dotted with the codes; the sums combine
@@ -54,15 +56,31 @@ constexpr int kPW = kP > 1 ? kP / 2 : 1;
 struct GemmFormat {
   int64_t sub = kGroup;
   bool has_min = false;
+  bool signed8 = false;  // 8-bit codes on AVX2 without VNNI: see the top
 };
+
+// Whether the layer's codes may use all 8 bits (vpmaddubsw with the +128 offset cannot).
+bool eight_bit_codes(const QLinear& L) {
+  return L.kind == WeightKind::Q8 || L.kind == WeightKind::Q8B;
+}
+
+// This build's vpmaddubsw path (AVX2 without VNNI): 8-bit codes dot with signed
+// activations; every other build dots them as any other code.
+constexpr bool kMaddubs =
+#if defined(__AVX2__) && !defined(KVLOOP_VNNI)
+    true;
+#else
+    false;
+#endif
 
 GemmFormat format_of(const QLinear& L) {
   if (is_stored(L.kind)) return {stored_gemm_sub(L.kind), stored_gemm_has_min(L.kind)};
+  const bool s8 = kMaddubs && eight_bit_codes(L);
   switch (L.kind) {
     case WeightKind::Q4:
     case WeightKind::Q4F: return {kGroup, true};
-    case WeightKind::Q8B: return {L.group, L.has_min};
-    default: return {kGroup, false};  // Q8: one scale per row, repeated per group
+    case WeightKind::Q8B: return {L.group, L.has_min, s8};
+    default: return {kGroup, false, s8};  // Q8: one scale per row, repeated per group
   }
 }
 
@@ -176,11 +194,21 @@ inline __m256i dot4(__m256i acc, __m256i a, __m256i w) {
       acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, w), _mm256_set1_epi16(1)));
 #endif
 }
+
+// acc + 8 lanes of sums of 4 products of signed activations (as: q, not q + 128) and 8-bit
+// codes w, w_abs their magnitudes (-128's is 128 as an unsigned byte): vpmaddubsw's int16
+// pair sums stay within 2 x 128 x 127.
+inline __m256i dot4_signed(__m256i acc, __m256i as, __m256i w_abs, __m256i w) {
+  return _mm256_add_epi32(
+      acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(as, w)),
+                             _mm256_set1_epi16(1)));
+}
 #endif
 
 // Rows r0..r0+R of the tile against panels p0..p0+P: out[r][p][lane]. kWide: int16
-// activations, pq their low bytes and pqh their high ones (see the top).
-template <int64_t SUB, bool kMin, bool kWide, int R, int P>
+// activations, pq their low bytes and pqh their high ones; kSigned8: 8-bit codes on AVX2
+// without VNNI (see the top).
+template <int64_t SUB, bool kMin, bool kWide, bool kSigned8, int R, int P>
 void tile(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* out) {
   const int64_t K = w.K, nsub = K / SUB;
   const int64_t pbytes = K * kLanes, pfloats = K / kGroup * kLanes;
@@ -196,7 +224,9 @@ void tile(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* o
     __m256i ia[R][P];
     __m256i il[kWide ? R : 1][kWide ? P : 1];  // kWide: the low bytes' sums
     for (int r = 0; r < R; ++r) {
-      const __m256i c = _mm256_set1_epi32(w.x(r0 + r)[gs]);
+      // Signed activations carry no +128 offset to remove.
+      const __m256i c =
+          kSigned8 ? _mm256_setzero_si256() : _mm256_set1_epi32(w.x(r0 + r)[gs]);
       for (int p = 0; p < P; ++p) ia[r][p] = c;
       if constexpr (kWide)
         for (int p = 0; p < P; ++p) il[r][p] = _mm256_setzero_si256();
@@ -206,6 +236,8 @@ void tile(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* o
       __m256i av[P], al[kWide ? P : 1];
       for (int p = 0; p < P; ++p) {
         av[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + p * pbytes + 32 * j));
+        if constexpr (kSigned8)  // q + 128 back to q
+          av[p] = _mm256_xor_si256(av[p], _mm256_set1_epi8(static_cast<char>(0x80)));
         if constexpr (kWide)
           al[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
               AL + gs * SUB * kLanes + p * pbytes + 32 * j));
@@ -214,6 +246,11 @@ void tile(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* o
         int32_t four;
         std::memcpy(&four, w.c(r0 + r) + gs * SUB + 4 * j, 4);
         const __m256i wb = _mm256_set1_epi32(four);
+        if constexpr (kSigned8) {
+          const __m256i wabs = _mm256_abs_epi8(wb);
+          for (int p = 0; p < P; ++p) ia[r][p] = dot4_signed(ia[r][p], av[p], wabs, wb);
+          continue;
+        }
         for (int p = 0; p < P; ++p) {
           ia[r][p] = dot4(ia[r][p], av[p], wb);
           if constexpr (kWide) il[r][p] = dot4(il[r][p], al[p], wb);
@@ -280,7 +317,7 @@ void scatter(const float* out, int64_t M, int64_t N, int64_t n0, int64_t p0, flo
       }
 }
 
-template <int64_t SUB, bool kMin, bool kWide>
+template <int64_t SUB, bool kMin, bool kWide, bool kSigned8 = false>
 void gemm_t(const QLinear& L, const QuantizedActs& a, float* y) {
   constexpr int kTileP = kWide ? kPW : kP;
   const int64_t M = a.M, N = L.out_features, K = L.in_features;
@@ -314,17 +351,17 @@ void gemm_t(const QLinear& L, const QuantizedActs& a, float* y) {
         if (rows == kR) {
           int64_t p = c0;
           for (; p + kTileP <= c1; p += kTileP) {
-            tile<SUB, kMin, kWide, kR, kTileP>(w, 0, a, p, out);
+            tile<SUB, kMin, kWide, kSigned8, kR, kTileP>(w, 0, a, p, out);
             scatter<kR, kTileP>(out, M, N, n0, p, y);
           }
           for (; p < c1; ++p) {
-            tile<SUB, kMin, kWide, kR, 1>(w, 0, a, p, out);
+            tile<SUB, kMin, kWide, kSigned8, kR, 1>(w, 0, a, p, out);
             scatter<kR, 1>(out, M, N, n0, p, y);
           }
         } else {
           for (int r = 0; r < rows; ++r)
             for (int64_t p = c0; p < c1; ++p) {
-              tile<SUB, kMin, kWide, 1, 1>(w, r, a, p, out);
+              tile<SUB, kMin, kWide, kSigned8, 1, 1>(w, r, a, p, out);
               scatter<1, 1>(out, M, N, n0 + r, p, y);
             }
         }
@@ -413,6 +450,18 @@ void gemm_int8(const QLinear& L, const QuantizedActs& a, float* y) {
                   (!L.wide_acts || a.pqh.size() == panel_bytes),
               "the int8 GEMM needs activations quantized and interleaved for it");
   const GemmFormat f = format_of(L);
+  if constexpr (kMaddubs) {
+    if (f.signed8) {  // never wide: gemm_supported
+      if (f.sub == 16) {
+        gemm_t<16, false, false, true>(L, a, y);
+      } else if (f.has_min) {
+        gemm_t<kGroup, true, false, true>(L, a, y);
+      } else {
+        gemm_t<kGroup, false, false, true>(L, a, y);
+      }
+      return;
+    }
+  }
   if (L.wide_acts) {
     if (f.sub == 16) {
       gemm_t<16, false, true>(L, a, y);
@@ -436,11 +485,9 @@ bool QLinear::gemm_supported() const {
                        [](const auto& p) { return p->gemm_supported(); });
   if (kind == WeightKind::F32 || kind == WeightKind::Stack) return false;
   if (kind == WeightKind::Q8B && has_min && group != kGroup) return false;
-#if defined(__AVX2__) && !defined(KVLOOP_VNNI)
-  // vpmaddubsw's int16 pair sums hold (q + 128) x c only for |c| <= 64 (see the top); a
-  // head's int16 activations come with 8-bit codes.
-  if (kind == WeightKind::Q8 || kind == WeightKind::Q8B) return false;
-#endif
+  // vpmaddubsw: 8-bit codes dot with signed activations (see the top), which a head's
+  // int16 activations, split into an unsigned low byte and a high one, are not.
+  if (kMaddubs && eight_bit_codes(*this) && wide_acts) return false;
   return true;
 }
 
