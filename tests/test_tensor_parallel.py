@@ -128,3 +128,28 @@ def test_cli_refuses_quantized_tensor_parallel_in_one_line(tiny_model_dir: Path)
                      "--tensor-parallel", "2")
     assert p.returncode == 2
     assert "tensor_parallel_size 2" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_server_completion_equals_single_process(uneven_model_dir: Path) -> None:
+    """/v1/completions served by a 2-rank engine answers what 1 process generates."""
+    import httpx
+
+    from kvloop.engine.llm_engine import LLMEngine
+    from kvloop.server.app import ServerSettings, create_app
+    from kvloop.server.background import BackgroundServer
+
+    prompt = "The quick brown fox"
+    single = LLM(str(uneven_model_dir), kv_cache_memory="16MiB")
+    want = single.generate([prompt], SamplingParams(temperature=0, max_tokens=16))[0]
+    engine = LLMEngine(str(uneven_model_dir),
+                       EngineConfig(kv_cache_memory="16MiB", tensor_parallel_size=2))
+    try:
+        app = create_app(engine, ServerSettings(model_name="tiny"))
+        with BackgroundServer(app) as server, httpx.Client(base_url=server.url,
+                                                            timeout=120) as client:
+            r = client.post("/v1/completions", json={
+                "model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want.outputs[0].text
+    finally:
+        engine.close()
