@@ -153,3 +153,17 @@ def test_server_completion_equals_single_process(uneven_model_dir: Path) -> None
         assert r.json()["choices"][0]["text"] == want.outputs[0].text
     finally:
         engine.close()
+
+
+def test_dead_rank_is_a_clear_error_not_a_hang(tiny_model_dir: Path) -> None:
+    llm = LLM(str(tiny_model_dir), kv_cache_memory="16MiB", tensor_parallel_size=2)
+    group = llm.engine.tensor_parallel
+    assert group is not None
+    try:
+        group.processes[0].kill()
+        group.processes[0].join(timeout=10)
+        # The engine fails the step's requests (fault isolation) with the reason.
+        out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4))[0]
+        assert out.error is not None and "kvloop-tp-rank1 exited" in out.error
+    finally:
+        llm.close()
