@@ -144,6 +144,7 @@ SPECULATIVE_METHODS = (None, "ngram", "self:int4", "self:int8")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_BLOCK_SIZE = 1024  # tokens per KV block: larger only wastes the last block's slots
 MAX_NUM_SEQS = 65536
+MAX_TENSOR_PARALLEL = 1024  # ranks of tensor parallelism
 MAX_THREADS_UNKNOWN_CPUS = 1024  # where os.cpu_count() cannot tell
 MAX_CHAT_TEMPLATE_CHARS = 1 << 20  # real templates are a few KB
 MAX_TOKENS_LIMIT = 2**31 - 1  # token counts and positions live in int32/int64 tensors
@@ -228,6 +229,12 @@ class EngineConfig:
     # that ship none (base models such as Gemma 3 270M) or a wrong one. The CLI's
     # --chat-template reads it from a file. Checked at load like the file's own.
     chat_template: str | None = None
+    # Tensor parallelism: this many ranks each hold a share of every layer's attention heads
+    # (whole KV-head groups) and MLP columns, meeting over gloo in one all-reduce after the
+    # attention output and one after the MLP down projection (kvloop.distributed). On one
+    # machine the engine spawns ranks 1..N-1; under torchrun it is rank 0 of WORLD_SIZE.
+    # Runs fp32 weights only ("auto" resolves to "none"), on the PyTorch modules' path.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for name in ("use_cache", "enable_prefix_caching", "pack_weights", "use_kernels",
@@ -271,6 +278,16 @@ class EngineConfig:
         _check_int("ngram_max", self.ngram_max, 1, MAX_SPECULATIVE_TOKENS)
         _check_int("ngram_min", self.ngram_min, 1, self.ngram_max)
         _check_int("speculative_max_batch", self.speculative_max_batch, 0, MAX_NUM_SEQS)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, MAX_TENSOR_PARALLEL)
+        if self.tensor_parallel_size > 1:
+            if self.quantization not in ("auto", "none"):
+                raise _bad("quantization", self.quantization,
+                           f"'none' (fp32) with tensor_parallel_size "
+                           f"{self.tensor_parallel_size}: its shards split fp32 weights")
+            if self.speculative not in (None, "ngram"):
+                raise _bad("speculative", self.speculative,
+                           f"None or 'ngram' with tensor_parallel_size "
+                           f"{self.tensor_parallel_size}: a draft model is not sharded")
         if self.chat_template is not None and (
                 not isinstance(self.chat_template, str) or not self.chat_template.strip()
                 or len(self.chat_template) > MAX_CHAT_TEMPLATE_CHARS):

@@ -69,6 +69,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "models such as Gemma 3 270M ship none)")
     g.add_argument("--speculative-max-batch", type=int, default=8,
                    help="with more sequences decoding at once, none drafts (default 8)")
+    g.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split every layer's attention heads and MLP columns over N ranks "
+                        "(processes on this machine, over gloo; fp32 weights): for models "
+                        "that do not fit one machine's memory, or to use its cores as N "
+                        "groups (default 1: no split). Across machines: README")
     g.add_argument("--no-jump-forward", action="store_true",
                    help="structured output: sample every token, even those the grammar "
                         "forces (by default they run in one step; the output is the same)")
@@ -100,6 +105,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
         "ngram_min": args.ngram_min, "ngram_max": args.ngram_max,
         "speculative_max_batch": args.speculative_max_batch,
         "jump_forward": not args.no_jump_forward,
+        "tensor_parallel_size": args.tensor_parallel,
     }
     if args.chat_template is not None:
         options["chat_template"] = read_chat_template(args.chat_template)

@@ -97,12 +97,14 @@ def kv_cache_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int,
 class ModelRunner:
     """`kv_groups`: the KV cache groups the scheduler's tables follow (kv_cache.py);
     None: one group of every layer, each layer keeping every position. `kv_dtype`: how
-    the cache stores K and V (kvloop.quant.kv.KV_CACHE_DTYPES)."""
+    the cache stores K and V (kvloop.quant.kv.KV_CACHE_DTYPES). `native_step` False: the
+    PyTorch modules run every step (a tensor parallel shard, whose row-parallel layers
+    all-reduce inside the modules' forward, which the C++ step does not call)."""
 
     def __init__(self, model: CausalLM, block_size: int, num_blocks: int,
                  use_cache: bool = True, use_kernels: bool = True,
                  kv_groups: list[KVCacheGroup] | None = None,
-                 kv_dtype: str = "fp32") -> None:
+                 kv_dtype: str = "fp32", native_step: bool = True) -> None:
         self.model = model
         self.block_size = block_size
         self.num_slots = num_blocks * block_size
@@ -143,7 +145,7 @@ class ModelRunner:
         # larger batches stay on the modules' GEMMs.
         # Each layer follows its KV cache group's block table.
         self.decoder = (build_native_decoder(model, self.layer_group)
-                        if self.use_kernels else None)
+                        if self.use_kernels and native_step else None)
         self.native_max_rows = NATIVE_MAX_ROWS
         self.native_prefill = self.decoder is not None and native_prefill_ready(model)
         self._generators: dict[str, torch.Generator] = {}
@@ -278,6 +280,11 @@ class ModelRunner:
         return PromptLogprobChunk(start, torch.cat(chosen),
                                   torch.cat(top_ids) if n_top else None,
                                   torch.cat(top_lps) if n_top else None)
+
+    @torch.inference_mode()
+    def hidden_states(self, sched: SchedulerOutput) -> torch.Tensor:  # [T, hidden]
+        """The step's forward alone, no sampling: what a tensor parallel rank > 0 runs."""
+        return self._run_model(sched)[0]
 
     def _run_model(self, sched: SchedulerOutput) -> tuple[torch.Tensor, int]:
         """The forward over the step's tokens: [T, hidden] and T."""

@@ -49,6 +49,10 @@ class LLM:
         self.load_seconds = time.perf_counter() - start
         self.tokenizer = self.engine.tokenizer
 
+    def close(self) -> None:
+        """Release what outlives a call: the tensor parallel ranks, when there are any."""
+        self.engine.close()
+
     # -- batch ---------------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -15,6 +15,7 @@ import ctypes
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -24,6 +25,9 @@ import torch
 from kvloop import kernels
 from kvloop.batch import SchedulerOutput
 from kvloop.config import EngineConfig, ModelConfig, resolve_kv_cache_dtype
+from kvloop.distributed import ShardPlan, load_shard
+from kvloop.distributed.launch import TensorParallelGroup
+from kvloop.distributed.runner import TensorParallelRunner
 from kvloop.engine.attribution import ModelCosts
 from kvloop.engine.detokenizer import IncrementalDetokenizer
 from kvloop.engine.output_state import SeqOutputState
@@ -197,7 +201,10 @@ class LLMEngine:
     def __init__(self, model: str | Path | None = None, config: EngineConfig | None = None,
                  checkpoint: Checkpoint | None = None) -> None:
         self.config = config or EngineConfig()
+        tp = self.config.tensor_parallel_size
         threads = self.config.num_threads
+        if tp > 1:  # the CPUs shared among the ranks of this machine
+            threads = max(1, (threads or torch.get_num_threads()) // tp)
         # Only when asked: re-setting the count after torch has run an op (even to the same
         # value) was measured to slow SDPA calls from ~15 us to ~8 ms for a while.
         if threads and threads != torch.get_num_threads():
@@ -213,14 +220,25 @@ class LLMEngine:
             raise InvalidParamsError(f"quantization must be one of {QUANTIZATIONS}, got "
                                      f"{self.config.quantization!r}")
         # "auto" becomes what this checkpoint runs with, so that stats and drafts see it.
-        quantization = resolve_quantization(self.config.quantization, self.checkpoint)
+        # Tensor parallelism shards fp32 weights: "auto" is "none" there.
+        quantization = ("none" if tp > 1 else
+                        resolve_quantization(self.config.quantization, self.checkpoint))
         self.config = replace(self.config, quantization=quantization,
                               kv_cache_dtype=resolve_kv_cache_dtype(
                                   self.config.kv_cache_dtype, quantization))
         # The native decode step reads fp32 weights densely (and runs prefill GEMMs on them).
         native = self.config.use_kernels and self.config.use_cache and kernels.available()
-        self.model = load_model(self.checkpoint, self.config.pack_weights,
-                                self.config.quantization, native=native)
+        self.tensor_parallel: TensorParallelGroup | None = None
+        if tp > 1:
+            plan = ShardPlan.of(self.checkpoint.config, 0, tp)  # refused before any spawn
+            self.tensor_parallel = TensorParallelGroup.start(
+                tp, str(self.checkpoint.path), self.config)
+            self._closer = weakref.finalize(self, self.tensor_parallel.close)
+            self.model = load_shard(self.checkpoint.config, self.checkpoint.weights(set()),
+                                    plan, self.config.pack_weights)
+        else:
+            self.model = load_model(self.checkpoint, self.config.pack_weights,
+                                    self.config.quantization, native=native)
         c, ec = self.model_config, self.config
         self.max_model_len = min(ec.max_model_len or c.max_position_embeddings,
                                  c.max_position_embeddings)
@@ -230,9 +248,11 @@ class LLMEngine:
         num_groups = len(self.kv_groups)
         # In the bytes the KV dtype stores (int8: codes and scales), so the same
         # kv_cache_memory holds 2x (16-bit) or ~4x (int8) the blocks of fp32.
+        # Under tensor parallelism, of rank 0's KV heads (the most any rank holds):
+        # kv_cache_memory is each rank's.
         self.kv_bytes_per_block = kv_cache_bytes_per_block(
-            len(self.kv_groups[0].layers), c.num_kv_heads, c.head_dim, ec.block_size,
-            ec.kv_cache_dtype)
+            len(self.kv_groups[0].layers), self.model.config.num_kv_heads, c.head_dim,
+            ec.block_size, ec.kv_cache_dtype)
         # K and V of one position over every layer (each group holds its own layers').
         self.kv_bytes_per_token = self.kv_bytes_per_block * num_groups // ec.block_size
         windows = [g.window for g in self.kv_groups]
@@ -250,8 +270,13 @@ class LLMEngine:
             self.max_model_len = self.kv.max_tokens(num_blocks - self.kv.watermark_blocks,
                                                     ec.max_num_batched_tokens,
                                                     self.max_model_len)
-        self.runner = ModelRunner(self.model, ec.block_size, num_blocks, ec.use_cache,
-                                  ec.use_kernels, self.kv_groups, ec.kv_cache_dtype)
+        if self.tensor_parallel is not None:
+            self.runner: ModelRunner = TensorParallelRunner(
+                self.tensor_parallel, self.model, ec.block_size, num_blocks, ec.use_cache,
+                ec.use_kernels, self.kv_groups, ec.kv_cache_dtype)
+        else:
+            self.runner = ModelRunner(self.model, ec.block_size, num_blocks, ec.use_cache,
+                                      ec.use_kernels, self.kv_groups, ec.kv_cache_dtype)
         # Speculative decoding: drafts of up to num_speculative_tokens per sequence, adapted
         # to each one's recent acceptance; none while more than spec_max_batch sequences
         # decode (the step is compute-bound: draft rows would cost more than they save).
@@ -274,6 +299,11 @@ class LLMEngine:
         # arrival and abort. None costs one check per step.
         self.observer: StepObserver | None = None
         release_free_heap()
+
+    def close(self) -> None:
+        """Stop the tensor parallel ranks this engine started (a no-op without them)."""
+        if self.tensor_parallel is not None:
+            self._closer()
 
     def _make_proposer(self) -> Proposer | None:
         ec = self.config
