@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -231,17 +232,20 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+def start_server(args: argparse.Namespace, extra: Sequence[str] = (),
+                 timeout: float = 300) -> tuple[subprocess.Popen, str]:
+    """`kvloop serve` on a free loopback port (with `extra` flags), once /health answers."""
     port = free_port()
     cmd = [sys.executable, "-m", "kvloop.server.cli", "--port", str(port),
            "--max-num-seqs", str(max(max(args.max_concurrency), 1)),
            "--kv-cache-memory", args.kv_cache_memory, "--log-level", "warning"]
     if args.model:
         cmd += ["--model", args.model]
+    cmd += list(extra)
     env = {k: v for k, v in os.environ.items() if k != "KVLOOP_API_KEY"}
     proc = subprocess.Popen(cmd, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"the server exited with status {proc.returncode}")
@@ -252,7 +256,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
             pass
         time.sleep(0.2)
     proc.terminate()
-    raise SystemExit("the server did not come up in 300 s")
+    raise SystemExit(f"the server did not come up in {timeout:g} s")
 
 
 # --- the offline engine on the same workload ---------------------------------------------------
