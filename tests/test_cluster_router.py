@@ -102,7 +102,7 @@ def test_replicas_without_ray_is_one_clear_error(monkeypatch: pytest.MonkeyPatch
     assert main(["serve", "--replicas", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
-    assert "pip install 'kvloop[ray]'" in err[0] and "--replicas" in err[0]
+    assert "pip install 'kvloop[cluster]'" in err[0] and "--replicas" in err[0]
 
 
 def test_replicas_flag_is_checked_before_anything_loads(

@@ -13,7 +13,7 @@ from kvloop.config import EngineConfig
 from kvloop.engine.llm_engine import LLMEngine
 from kvloop.errors import KvloopError
 
-INSTALL_HINT = "pip install 'kvloop[ray]'"
+INSTALL_HINT = "pip install 'kvloop[cluster]'"
 
 
 def require_ray() -> None:

@@ -76,7 +76,7 @@ def _add_flags(p: argparse.ArgumentParser) -> None:
                    help="measure this machine's FLOP/s and memory bandwidth at start (a "
                         "few seconds), for the live page's roofline gauge (without it the "
                         "page says 'not measured')")
-    g = p.add_argument_group("replicas (Ray Serve: pip install 'kvloop[ray]')")
+    g = p.add_argument_group("replicas (Ray Serve: pip install 'kvloop[cluster]')")
     g.add_argument("--replicas", type=int, default=1,
                    help="engine replicas, each with the engine flags' --threads and "
                         "--kv-cache-memory, deployed on Ray Serve behind this one server, "
