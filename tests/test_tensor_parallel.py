@@ -167,3 +167,65 @@ def test_dead_rank_is_a_clear_error_not_a_hang(tiny_model_dir: Path) -> None:
         assert out.error is not None and "kvloop-tp-rank1 exited" in out.error
     finally:
         llm.close()
+
+
+def test_serve_command_tensor_parallel_end_to_end(uneven_model_dir: Path) -> None:
+    """`kvloop serve --tensor-parallel 2` as its own process: its completion equals the
+    single process's, and stopping it leaves no rank behind."""
+    import socket
+    import time
+
+    import httpx
+
+    from kvloop.client import probe
+
+    prompt = "The quick brown fox"
+    single = LLM(str(uneven_model_dir), kv_cache_memory="16MiB")
+    want = single.generate([prompt], SamplingParams(temperature=0, max_tokens=16))[0]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvloop.server.cli", "--model", str(uneven_model_dir),
+         "--port", str(port), "--kv-cache-memory", "16MiB", "--tensor-parallel", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while probe(url) != "ok":
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.2)
+        r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+            "prompt": prompt, "max_tokens": 16, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want.outputs[0].text
+        ranks = children(proc.pid)
+        assert ranks, "no rank process under the server"
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() and not zombie(pid) for pid in ranks):
+        assert time.monotonic() < deadline, f"ranks {ranks} outlived the server\n{out}"
+        time.sleep(0.2)
+
+
+def children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
