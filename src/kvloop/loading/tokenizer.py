@@ -19,6 +19,7 @@ import json
 import logging
 import re
 import secrets
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cache
 from pathlib import Path
@@ -149,11 +150,14 @@ class Tokenizer:
     ) -> None:
         self._backend = backend
         # User text must stay text: a copy of the backend that reads special-token strings
-        # (``<|im_end|>``) in its input as plain characters. Two copies rather than flipping
-        # `encode_special_tokens` per call: encode runs on several threads at once, and the
-        # flag is shared state. Neither copy is changed after this point.
-        self._text_backend = HFTokenizer.from_str(backend.to_str())
-        self._text_backend.encode_special_tokens = True
+        # (``<|im_end|>``) in its input as plain characters (`_text_backend`). Two copies
+        # rather than flipping `encode_special_tokens` per call: encode runs on several
+        # threads at once, and the flag is shared state. Neither copy is changed once
+        # built. The copy is built on first need (a serialise and parse of the whole
+        # tokenizer, a tenth of a one-shot's load): text with no special-token string in
+        # it encodes the same through either (`_plain_backend`).
+        self._text_copy: HFTokenizer | None = None
+        self._text_lock = threading.Lock()
         specials = sorted(
             (t.content for t in backend.get_added_tokens_decoder().values() if t.special),
             key=len, reverse=True,
@@ -177,6 +181,28 @@ class Tokenizer:
         self.add_bos_token: bool = bos_token_id is not None and added[:1] == [bos_token_id]
         if chat_template:
             self._check_chat_template()
+
+    @property
+    def _text_backend(self) -> HFTokenizer:
+        """The backend copy that reads special-token strings as plain characters."""
+        copy = self._text_copy
+        if copy is None:
+            with self._text_lock:
+                copy = self._text_copy
+                if copy is None:
+                    copy = HFTokenizer.from_str(self._backend.to_str())
+                    copy.encode_special_tokens = True
+                    self._text_copy = copy
+        return copy
+
+    def _plain_backend(self, text: str) -> HFTokenizer:
+        """A backend that reads `text`'s special-token strings as plain characters: the
+        shared one where it holds none (encode_special_tokens changes only how those are
+        read), else the text copy."""
+        pattern = self._special_pattern
+        if pattern is None or pattern.search(text) is None:
+            return self._backend
+        return self._text_backend
 
     # --- construction --------------------------------------------------------------------
     @classmethod
@@ -343,7 +369,7 @@ class Tokenizer:
         Text that is not valid Unicode (a lone surrogate) is an InvalidParamsError.
         """
         _check_text(text, "prompt", "prompt")
-        backend = self._backend if parse_special else self._text_backend
+        backend = self._backend if parse_special else self._plain_backend(text)
         return list(backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
