@@ -22,8 +22,9 @@ import secrets
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cache
+from itertools import repeat
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
@@ -547,13 +548,12 @@ class Tokenizer:
 
 # --- GGUF builders ---------------------------------------------------------------------------
 def _merge_pairs(metadata: Mapping[str, Any]) -> list[tuple[str, str]]:
-    pairs = []
-    for merge in _meta_list(metadata, "tokenizer.ggml.merges", str):
-        parts = merge.split(" ")
-        if len(parts) != 2:
-            raise ModelLoadError(f"malformed merge {merge!r} in tokenizer.ggml.merges")
-        pairs.append((parts[0], parts[1]))
-    return pairs
+    merges = _meta_list(metadata, "tokenizer.ggml.merges", str)
+    split = list(map(str.split, merges, repeat(" ")))  # no Python loop: ~50k merges
+    if set(map(len, split)) - {2}:
+        bad = next(m for m, p in zip(merges, split, strict=True) if len(p) != 2)
+        raise ModelLoadError(f"malformed merge {bad!r} in tokenizer.ggml.merges")
+    return cast(list[tuple[str, str]], list(map(tuple, split)))
 
 
 def _added_tokens(tokens: Sequence[str], types: Sequence[int]) -> list[AddedToken]:
@@ -573,7 +573,13 @@ def _byte_level_bpe(
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
     vocab: dict[str, int] = {}
-    for i, (tok, kind) in enumerate(zip(tokens, types, strict=False)):
+    if set("".join(tokens)) <= spelled:  # nothing to respell (the usual case): no loop
+        # The first id of each token, as setdefault in the loop below keeps.
+        vocab = dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1), strict=True))
+        tokens_left: Sequence[str] = ()
+    else:
+        tokens_left = tokens
+    for i, (tok, kind) in enumerate(zip(tokens_left, types, strict=False)):
         if kind == _NORMAL and not set(tok) <= spelled:
             # A normal token written in plain UTF-8 (rare converters): respell it in the byte
             # alphabet so BPE can reach it. Added tokens keep their text: they are matched raw.
@@ -742,9 +748,11 @@ def _meta_list(metadata: Mapping[str, Any], key: str, kind: type) -> list[Any]:
     if value is None:
         return []
     kinds = (int, float) if kind is float else (kind,)
-    if not isinstance(value, list | tuple) or not all(
-        isinstance(v, kinds) and not isinstance(v, bool) for v in value
-    ):
+    if not isinstance(value, list | tuple):
+        raise _wrong_type(key, f"an array of {kind.__name__}s", value)
+    if set(map(type, value)) <= set(kinds):  # the usual case, checked without a loop
+        return list(value)
+    if not all(isinstance(v, kinds) and not isinstance(v, bool) for v in value):
         raise _wrong_type(key, f"an array of {kind.__name__}s", value)
     return list(value)
 
