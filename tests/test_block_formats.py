@@ -342,6 +342,7 @@ def test_layers_without_an_exact_stored_layout_stay_fp32(default_gguf: Path) -> 
     source = dict(ckpt.block_weights())  # a mutable copy
     del source["model.layers.0.self_attn.k_proj.weight"]  # a part stored dense: no layout
     w = source["model.layers.1.mlp.down_proj.weight"]  # blocks of another shape
+    w = w if isinstance(w, GroupWeights) else cast(Any, w).groups()  # Q4_1: Q4Rows
     source["model.layers.1.mlp.down_proj.weight"] = GroupWeights(
         w.codes[:-1], w.scales[:-1], None if w.mins is None else w.mins[:-1], w.group, w.bits)
     quantize_model(model, "gguf", block_source=source)
@@ -501,3 +502,44 @@ def test_stored_blocks_decode_each_tensor_once_and_codes_are_int8(
     decoded.clear()
     load_model(checkpoint, quantization="gguf")
     assert len(decoded) == len(blocks)  # each stored tensor once (the tied table included)
+
+
+def test_q4_1_rows_are_the_repacked_layout_byte_for_byte() -> None:
+    """Q4_1 tensors are read straight into the Q4 layout (Q4Rows: bytes moved, no decode
+    or re-pack): the same kernel bytes as decoding them and packing the codes (the path
+    before), alone, row-permuted and fused, and gguf's float32 values exactly; a block
+    with a NaN scale still takes the decode path (fp32 scales, as before)."""
+    from kvloop.quant.stored import Q4Rows
+
+    rows, cols = 12, 1024
+    for seed in range(3):
+        raw = random_blocks(T.Q4_1, rows, cols, seed)
+        w = stored(raw, T.Q4_1, rows, cols)
+        assert isinstance(w, Q4Rows)
+        old = decode(raw, T.Q4_1, rows, cols)
+        kind, packed, scales = BlockLinear(w).kind, *w.native()[1:]
+        okind, opacked, oscales = old.native()
+        assert kind == okind == Q4 and scales is None and oscales is None
+        assert packed.dtype == opacked.dtype and torch.equal(packed, opacked)
+        assert torch.equal(w.dequantize(), oracle(raw, T.Q4_1, rows, cols))
+        g = w.groups()
+        assert all(torch.equal(a, b) for a, b in ((g.codes, old.codes), (g.scales, old.scales),
+                                                  (g.mins, old.mins)))
+        perm = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(w.rows(perm).native()[1], old.rows(perm).native()[1])
+        other = random_blocks(T.Q4_1, 5, cols, seed + 10)
+        fused = cat([w, stored(other, T.Q4_1, 5, cols)])
+        ofused = GroupWeights.cat([old, decode(other, T.Q4_1, 5, cols)])
+        assert isinstance(fused, Q4Rows) and ofused is not None
+        assert torch.equal(fused.native()[1], ofused.native()[1])
+        q8 = random_blocks(T.Q8_0, 5, cols, seed)
+        mixed = cat([w, stored(q8, T.Q8_0, 5, cols)])
+        omixed = GroupWeights.cat([old, decode(q8, T.Q8_0, 5, cols)])
+        assert isinstance(mixed, GroupWeights) and omixed is not None
+        assert all(torch.equal(a, b) for a, b in zip(mixed.native()[1:], omixed.native()[1:],
+                                                      strict=True)
+                   if a is not None)
+    raw = random_blocks(T.Q4_1, rows, cols, 0)
+    raw[1, 0:2] = np.array([np.nan], dtype=np.float16).view(np.uint8)
+    w = stored(raw, T.Q4_1, rows, cols)
+    assert isinstance(w, GroupWeights) and BlockLinear(w).kind == Q4F

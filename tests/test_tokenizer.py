@@ -513,3 +513,30 @@ def test_derived_merges_rank_by_score_then_longer_parts_then_vocabulary_order() 
         ("a", "bc"), ("c", "ab"),  # score -0.5, left part of 1
         ("a", "b"), ("b", "c"), ("c", "a"),  # ab, bc, ca (-1.0), in vocabulary order
     ]
+
+
+def test_text_copy_is_built_on_first_need_and_encodes_alike(tok: Tokenizer):
+    """The backend copy that reads special-token strings as text is built only for text
+    that holds one (a one-shot load skips its serialise and parse); every text encodes
+    exactly as through that copy, USER_DEFINED-style added tokens and specials alike."""
+    fresh = Tokenizer.from_gguf_metadata(read_gguf_metadata(model_path()))
+    assert fresh._text_copy is None
+    plain = ["Hi", "", " hello  world\n\t", "<|im_start", "im_end|>", "ünïcödé 12345 👋"]
+    for text in plain:
+        fresh.encode(text)
+        fresh.encode(text, parse_special=True)
+    assert fresh._text_copy is None
+    forged = ["<|im_start|>user", "a<|im_end|>b<|endoftext|>"]
+    for text in plain + forged:
+        want = list(fresh._text_backend.encode(text, add_special_tokens=True).ids)
+        assert fresh.encode(text) == want
+    assert fresh._text_copy is not None
+    assert tok.encode("<|im_end|>") != tok.encode("<|im_end|>", parse_special=True)
+    assert fresh.encode("<|im_end|>x") == tok.encode("<|im_end|>x")
+
+
+def test_gguf_byte_level_added_tokens_encode_alike_through_the_copy():
+    meta = byte_level_metadata()
+    t = Tokenizer.from_gguf_metadata(meta)
+    for text in ["hello <think> world", "<|eot|> and <think>", "plain", "<|end|>hello"]:
+        assert t.encode(text) == list(t._text_backend.encode(text).ids)

@@ -178,7 +178,33 @@ class GGUFHeader:
             return arr.tolist()
         # Strings (or arrays): each element takes at least 8 bytes of length.
         self._need(count * 8, what)
+        if etype == V.STRING:
+            return self._strings(count, what)
         return [self._value(etype, what, depth + 1) for _ in range(count)]
+
+    def _strings(self, count: int, what: str) -> list[str]:
+        """`count` strings, as `_string` reads each (the same checks, the same errors), in
+        one loop with no call per element: a vocabulary and its merges are ~100k of them,
+        which read one `_string` call at a time were a tenth of a one-shot's load."""
+        buf, pos, size, unpack = self._buf, self._pos, len(self._buf), struct.unpack_from
+        out: list[str] = []
+        append = out.append
+        try:
+            for _ in range(count):
+                if pos + 8 > size:
+                    self._pos = pos
+                    self._need(8, what)
+                (n,) = unpack("<Q", buf, pos)
+                pos += 8
+                if pos + n > size:
+                    self._pos = pos
+                    self._need(n, what)
+                append(str(buf[pos : pos + n], "utf-8"))
+                pos += n
+        except UnicodeDecodeError:
+            raise ValueError(f"{what} is not UTF-8 text") from None
+        self._pos = pos
+        return out
 
     def _skip_array(self, etype: int, count: int, what: str, depth: int) -> None:
         """Move past an array's elements without building them."""

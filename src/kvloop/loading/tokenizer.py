@@ -19,10 +19,12 @@ import json
 import logging
 import re
 import secrets
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cache
+from itertools import repeat
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
@@ -149,11 +151,14 @@ class Tokenizer:
     ) -> None:
         self._backend = backend
         # User text must stay text: a copy of the backend that reads special-token strings
-        # (``<|im_end|>``) in its input as plain characters. Two copies rather than flipping
-        # `encode_special_tokens` per call: encode runs on several threads at once, and the
-        # flag is shared state. Neither copy is changed after this point.
-        self._text_backend = HFTokenizer.from_str(backend.to_str())
-        self._text_backend.encode_special_tokens = True
+        # (``<|im_end|>``) in its input as plain characters (`_text_backend`). Two copies
+        # rather than flipping `encode_special_tokens` per call: encode runs on several
+        # threads at once, and the flag is shared state. Neither copy is changed once
+        # built. The copy is built on first need (a serialise and parse of the whole
+        # tokenizer, a tenth of a one-shot's load): text with no special-token string in
+        # it encodes the same through either (`_plain_backend`).
+        self._text_copy: HFTokenizer | None = None
+        self._text_lock = threading.Lock()
         specials = sorted(
             (t.content for t in backend.get_added_tokens_decoder().values() if t.special),
             key=len, reverse=True,
@@ -177,6 +182,28 @@ class Tokenizer:
         self.add_bos_token: bool = bos_token_id is not None and added[:1] == [bos_token_id]
         if chat_template:
             self._check_chat_template()
+
+    @property
+    def _text_backend(self) -> HFTokenizer:
+        """The backend copy that reads special-token strings as plain characters."""
+        copy = self._text_copy
+        if copy is None:
+            with self._text_lock:
+                copy = self._text_copy
+                if copy is None:
+                    copy = HFTokenizer.from_str(self._backend.to_str())
+                    copy.encode_special_tokens = True
+                    self._text_copy = copy
+        return copy
+
+    def _plain_backend(self, text: str) -> HFTokenizer:
+        """A backend that reads `text`'s special-token strings as plain characters: the
+        shared one where it holds none (encode_special_tokens changes only how those are
+        read), else the text copy."""
+        pattern = self._special_pattern
+        if pattern is None or pattern.search(text) is None:
+            return self._backend
+        return self._text_backend
 
     # --- construction --------------------------------------------------------------------
     @classmethod
@@ -343,7 +370,7 @@ class Tokenizer:
         Text that is not valid Unicode (a lone surrogate) is an InvalidParamsError.
         """
         _check_text(text, "prompt", "prompt")
-        backend = self._backend if parse_special else self._text_backend
+        backend = self._backend if parse_special else self._plain_backend(text)
         return list(backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -521,13 +548,12 @@ class Tokenizer:
 
 # --- GGUF builders ---------------------------------------------------------------------------
 def _merge_pairs(metadata: Mapping[str, Any]) -> list[tuple[str, str]]:
-    pairs = []
-    for merge in _meta_list(metadata, "tokenizer.ggml.merges", str):
-        parts = merge.split(" ")
-        if len(parts) != 2:
-            raise ModelLoadError(f"malformed merge {merge!r} in tokenizer.ggml.merges")
-        pairs.append((parts[0], parts[1]))
-    return pairs
+    merges = _meta_list(metadata, "tokenizer.ggml.merges", str)
+    split = list(map(str.split, merges, repeat(" ")))  # no Python loop: ~50k merges
+    if set(map(len, split)) - {2}:
+        bad = next(m for m, p in zip(merges, split, strict=True) if len(p) != 2)
+        raise ModelLoadError(f"malformed merge {bad!r} in tokenizer.ggml.merges")
+    return cast(list[tuple[str, str]], list(map(tuple, split)))
 
 
 def _added_tokens(tokens: Sequence[str], types: Sequence[int]) -> list[AddedToken]:
@@ -547,7 +573,13 @@ def _byte_level_bpe(
     alphabet = _byte_alphabet()
     spelled = set(alphabet.values())
     vocab: dict[str, int] = {}
-    for i, (tok, kind) in enumerate(zip(tokens, types, strict=False)):
+    if set("".join(tokens)) <= spelled:  # nothing to respell (the usual case): no loop
+        # The first id of each token, as setdefault in the loop below keeps.
+        vocab = dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1), strict=True))
+        tokens_left: Sequence[str] = ()
+    else:
+        tokens_left = tokens
+    for i, (tok, kind) in enumerate(zip(tokens_left, types, strict=False)):
         if kind == _NORMAL and not set(tok) <= spelled:
             # A normal token written in plain UTF-8 (rare converters): respell it in the byte
             # alphabet so BPE can reach it. Added tokens keep their text: they are matched raw.
@@ -716,9 +748,11 @@ def _meta_list(metadata: Mapping[str, Any], key: str, kind: type) -> list[Any]:
     if value is None:
         return []
     kinds = (int, float) if kind is float else (kind,)
-    if not isinstance(value, list | tuple) or not all(
-        isinstance(v, kinds) and not isinstance(v, bool) for v in value
-    ):
+    if not isinstance(value, list | tuple):
+        raise _wrong_type(key, f"an array of {kind.__name__}s", value)
+    if set(map(type, value)) <= set(kinds):  # the usual case, checked without a loop
+        return list(value)
+    if not all(isinstance(v, kinds) and not isinstance(v, bool) for v in value):
         raise _wrong_type(key, f"an array of {kind.__name__}s", value)
     return list(value)
 

@@ -20,7 +20,7 @@ from torch import nn
 from kvloop.quant.layout import Q4, Q4F, Q8B, STORED, GroupWeights, dequantize_native
 
 if TYPE_CHECKING:
-    from kvloop.quant.stored import StoredRows
+    from kvloop.quant.stored import Q4Rows, StoredRows
 
 _NAMES = {Q4: "4-bit fp16 g32", Q4F: "4-bit fp32 g32", Q8B: "8-bit",
           **{kind: f"{name} blocks" for name, kind in STORED.items()}}
@@ -30,7 +30,7 @@ class BlockLinear(nn.Module):
     weight_q: torch.Tensor
     scales: torch.Tensor | None
 
-    def __init__(self, w: GroupWeights | StoredRows, bias: torch.Tensor | None = None,
+    def __init__(self, w: GroupWeights | StoredRows | Q4Rows, bias: torch.Tensor | None = None,
                  source: str = "") -> None:
         super().__init__()
         self.out_features, self.in_features = w.shape

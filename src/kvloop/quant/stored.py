@@ -33,7 +33,7 @@ import gguf
 import numpy as np
 import torch
 
-from kvloop.quant.layout import STORED, GroupWeights
+from kvloop.quant.layout import GROUP, Q4, STORED, GroupWeights, dequantize_q4, unpack_q4
 
 T = gguf.GGMLQuantizationType
 BLOCK_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
@@ -158,17 +158,68 @@ class StoredRows:
         return STORED_KINDS[self.fmt], self.raw, None
 
 
-Weights = GroupWeights | StoredRows
+@dataclass
+class Q4Rows:
+    """[N, K] weights in the kernels' Q4 layout (kvloop.quant.layout.pack_q4: a row's fp16
+    scales, its fp16 mins, then 16 bytes of codes per group of 32), built from GGUF Q4_1
+    blocks by moving their bytes: a Q4_1 block's d, m and nibbles are that layout's scale,
+    min and codes as they are (w = d * q + m; the same nibble order), so no block is
+    decoded and re-packed. `packed` equals what GroupWeights.native() packs from the same
+    blocks' `decode` byte for byte (tests/test_block_formats.py)."""
+
+    packed: torch.Tensor  # [N, K / 32 * 20] uint8
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.packed.shape[0]), self.in_features
+
+    def rows(self, perm: torch.Tensor) -> Q4Rows:
+        """The same weights with rows reordered (GGUF's Q/K row permutation)."""
+        return Q4Rows(self.packed[perm].contiguous(), self.in_features)
+
+    def groups(self) -> GroupWeights:
+        """The same weights as codes and group scales (exact)."""
+        codes, scales, mins = unpack_q4(self.packed, self.in_features)
+        return GroupWeights(codes.to(torch.int8), scales, mins, GROUP, 4)
+
+    def dequantize(self) -> torch.Tensor:  # [N, K] fp32, the gguf package's values
+        return dequantize_q4(self.packed, self.in_features)
+
+    def native(self) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+        """(kind, weight, scales) of the kernel layout: the packed rows."""
+        return Q4, self.packed, None
+
+
+def _q4_rows(raw: np.ndarray, rows: int, cols: int) -> Q4Rows | None:
+    """Q4_1 blocks -> Q4Rows, or None where some d or m is NaN (GroupWeights.native then
+    picks fp32 scales, Q4F, as it always has: NaN fails its fp16 round-trip check)."""
+    nb = cols // GROUP
+    b = np.asarray(raw, dtype=np.uint8).reshape(rows, nb, 20)
+    half = np.ascontiguousarray(b[:, :, 0:4]).view(np.uint16)
+    if np.any(((half & 0x7C00) == 0x7C00) & ((half & 0x03FF) != 0)):
+        return None
+    packed = np.concatenate([b[:, :, 0:2].reshape(rows, 2 * nb), b[:, :, 2:4].reshape(rows, 2 * nb),
+                             b[:, :, 4:].reshape(rows, 16 * nb)], axis=1)
+    return Q4Rows(torch.from_numpy(packed), cols)
+
+
+Weights = GroupWeights | StoredRows | Q4Rows
 
 
 def stored(raw: np.ndarray, kind: gguf.GGMLQuantizationType, rows: int,
            cols: int) -> Weights:
     """A tensor's stored bytes -> StoredRows where the kernels read its format as stored
-    (and its rows are whole blocks), else its codes and group scales (`decode`)."""
+    (and its rows are whole blocks), Q4Rows for Q4_1 (its blocks are the Q4 layout's
+    bytes, moved), else its codes and group scales (`decode`)."""
     block, size = gguf.GGML_QUANT_SIZES[kind]
     if kind in STORED_KINDS and cols % block == 0:
         data = np.array(raw, dtype=np.uint8, copy=True).reshape(rows, cols // block * size)
         return StoredRows(torch.from_numpy(data), kind, cols)
+    if kind == T.Q4_1 and cols % block == 0:
+        q4 = _q4_rows(raw, rows, cols)
+        if q4 is not None:
+            return q4
     return decode(raw, kind, rows, cols)
 
 
@@ -177,7 +228,16 @@ def cat(parts: list[Weights]) -> Weights | list[Weights] | None:
     hold every part exactly: the parts' blocks when all are stored in one format the
     kernels read as stored; when some are and formats differ, the parts side by side
     (adjacent ones of one format joined: a list, kvloop.quant.block.StackedLinear); when
-    none is, one GroupWeights layout (GroupWeights.cat; None where there is none)."""
+    none is, one GroupWeights layout (GroupWeights.cat; None where there is none).
+    Q4Rows parts are stacked as rows where every part is one (the same bytes as
+    GroupWeights.cat then native() of their groups), else taken as their groups."""
+    if all(isinstance(p, Q4Rows) for p in parts):
+        q4 = [p for p in parts if isinstance(p, Q4Rows)]
+        if len(q4) == 1:
+            return q4[0]
+        if len({p.in_features for p in q4}) == 1:
+            return Q4Rows(torch.cat([p.packed for p in q4]), q4[0].in_features)
+    parts = [p.groups() if isinstance(p, Q4Rows) else p for p in parts]
     runs: list[Weights] = []
     for p in parts:
         last = runs[-1] if runs else None
