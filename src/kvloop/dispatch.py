@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -91,6 +92,13 @@ def quantized_batched_path() -> tuple[int, bool]:
 def int8_gemm_min_rows() -> int:
     """The rows from which a quantized layer the int8 GEMM supports runs in it."""
     return policy().int8_gemm_min_rows
+
+
+def has_batched_path(native: Any) -> bool:
+    """Whether a native layer (kvloop.kernels.linear) runs large inputs in a GEMM (the int8
+    one, or ATen's over decoded weights) rather than through the row kernels a row at a
+    time."""
+    return bool(native.gemm_min_rows > 0 or native.batched_min_rows > 0)
 
 
 def fp32_batched_min_rows() -> int:

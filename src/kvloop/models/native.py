@@ -90,12 +90,6 @@ def attach_native_linears(model: CausalLM) -> None:
             policy(module.native)
 
 
-def has_batched_path(native: Any) -> bool:
-    """Whether a native layer runs large inputs in a GEMM (the int8 one, or ATen's over
-    decoded weights) rather than through the row kernels a row at a time."""
-    return bool(native.gemm_min_rows > 0 or native.batched_min_rows > 0)
-
-
 def native_prefill_ready(model: CausalLM) -> bool:
     """Whether prefill-sized inputs through the native decoder run GEMMs at least as fast as
     the modules': every layer but the head (only sampled rows reach it) has a batched path
@@ -104,7 +98,7 @@ def native_prefill_ready(model: CausalLM) -> bool:
     if not native_supported(model):
         return False
     head = model.lm_head
-    return all(m.native is not None and has_batched_path(m.native)
+    return all(m.native is not None and dispatch.has_batched_path(m.native)
                for m in model.modules()
                if m is not head and isinstance(m, Int8Linear | Int4Linear | BlockLinear))
 

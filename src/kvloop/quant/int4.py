@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvloop.dispatch import NATIVE_MAX_ROWS
+from kvloop.dispatch import NATIVE_MAX_ROWS, has_batched_path
 from kvloop.quant.layout import Q4, dequantize_q4, pack_q4, unpack_q4
 
 GROUP_SIZE = 32
@@ -120,8 +120,7 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, K] -> [T, N]
         native = self.native
-        if native is not None and (x.shape[0] <= NATIVE_MAX_ROWS
-                                   or native.gemm_min_rows or native.batched_min_rows):
+        if native is not None and (x.shape[0] <= NATIVE_MAX_ROWS or has_batched_path(native)):
             return native.forward(x)  # type: ignore[no-any-return]
         packed, scales_zeros = self._fallback_weights()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
