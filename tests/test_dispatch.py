@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import gguf
 import pytest
 import torch
 
@@ -24,14 +25,18 @@ from kvloop import dispatch
 from kvloop.kernels import build
 from kvloop.kernels.linear import (
     F32,
+    Q4,
+    Q8,
     dequantize,
     linear_reference,
+    pack_q4,
     quantize_acts16_reference,
     quantize_acts_reference,
 )
+from kvloop.quant.layout import GroupWeights
 from kvloop.quant.stored import STORED_KINDS, StoredRows
 from test_block_formats import F16_FIELDS, oracle, random_blocks
-from test_native import LINEAR_RTOL, _gen, _layouts, assert_linear_close
+from test_native import LINEAR_RTOL, _gen, _layouts, assert_linear_close, q4_scales_mins
 
 # Every row count either side of a threshold of any policy (16, 65), of the kernels' 4- and
 # 8-row activation tiles, and of the runner's largest native batch (64), up to a prefill.
@@ -191,6 +196,71 @@ def test_int8_gemm_equals_the_row_kernels(isa: str, layout: str) -> None:
         what = f"{isa} {layout} M={M}"
         y = _gemm_against_row_kernels(lin, x, what)
         q, d = quantize_acts_reference(x)
+        xd = (q.view(M, -1, 32).double() * d.double()[..., None]).view(M, K)
+        assert_linear_close(y, (xd @ dense.T + bias.double()).float(), what)
+
+
+# Each stored format's code bytes (quants and high bits: every byte but the scales).
+CODE_BYTES = {"Q4_K": (16, 144), "Q5_K": (16, 176), "Q6_K": (0, 192), "Q5_0": (2, 22),
+              "Q5_1": (4, 24)}
+
+
+def _extreme_layer(mod: Any, layout: str, N: int, K: int, top: bool,
+                   g: torch.Generator) -> tuple[Any, torch.Tensor]:
+    """(native layer with a bias, the bias) in `layout`, every code at the top (`top`) or
+    the bottom of its range: 4-bit 15 or 0, Q6_K's u - 32 31 or -32, 8-bit 127 or -128."""
+    bias = torch.randn(N, generator=g)
+    if layout == "q4":
+        codes = torch.full((N, K), 15 if top else 0, dtype=torch.uint8)
+        w = pack_q4(codes, *q4_scales_mins(N, K, g))
+        return mod.QLinear(Q4, w, K, None, bias, False), bias
+    if layout == "q4f":  # 4-bit codes, fp32 scales and mins per 32
+        c = torch.full((N, K), 15 if top else 0, dtype=torch.int16)
+        gw = GroupWeights(c, torch.rand(N, K // 32, generator=g) * 0.01 + 1e-3,
+                          -torch.rand(N, K // 32, generator=g) * 0.1, 32, 4)
+    elif layout == "q8b-g16":  # 8-bit codes, fp16 scales per 16
+        c = torch.full((N, K), 127 if top else -128, dtype=torch.int16)
+        gw = GroupWeights(c, (torch.rand(N, K // 16, generator=g) * 0.01).half().float(),
+                          None, 16, 8)
+    elif layout == "q8":
+        w = torch.full((N, K), 127 if top else -128, dtype=torch.int8)
+        sc = torch.rand(N, generator=g) * 0.02 + 1e-3
+        return mod.QLinear(Q8, w, K, sc, bias, False), bias
+    else:
+        fmt = next(f for f in STORED_KINDS if f.name == layout)
+        raw = random_blocks(fmt, N, K, seed=int(fmt), scale=0.01)
+        _normal_scales(raw, fmt, seed=int(fmt))
+        lo, hi = CODE_BYTES[layout]
+        raw.reshape(-1, gguf.GGML_QUANT_SIZES[fmt][1])[:, lo:hi] = 0xFF if top else 0
+        kind, weight, _ = StoredRows(torch.from_numpy(raw), fmt, K).native()
+        return mod.QLinear(kind, weight, K, None, bias, False), bias
+    kind, w, sc = gw.native()
+    return mod.QLinear(kind, w, K, sc, bias, False), bias
+
+
+@pytest.mark.parametrize("top", [True, False], ids=["top", "bottom"])
+@pytest.mark.parametrize("layout", ["q4", "q4f", "q8", "q8b-g16", *CODE_BYTES])
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512vnni"])
+def test_int8_gemm_at_the_extremes_of_codes_and_activations(isa: str, layout: str,
+                                                            top: bool) -> None:
+    """Every code at an end of its format's range against activations of |q| = 127 (q +
+    128 = 255 or 1 in the offset panels): the largest int16 sums vpmaddubsw's path adds
+    up (gemm.cpp's int16_sums, bounded per format by its largest |code|), which would
+    overflow if a bound were wrong. Against the row kernels and the float64 reference."""
+    mod = _module(isa)
+    N, K = 13, 512
+    g = _gen(len(layout) * 11 + len(isa) + top)
+    lin, bias = _extreme_layer(mod, layout, N, K, top, g)
+    assert lin.gemm_supported
+    dense = lin.decoded(False).double()
+    for M in (16, 33):
+        # Each row one value throughout (every group's q = +-127), signs and sizes mixed.
+        sign = torch.tensor([1.0, -1.0] * M)[:M]
+        x = (sign * torch.linspace(0.5, 4.0, M))[:, None].expand(M, K).contiguous()
+        what = f"{isa} {layout} {'top' if top else 'bottom'} M={M}"
+        y = _gemm_against_row_kernels(lin, x, what)
+        q, d = quantize_acts_reference(x)
+        assert int(q.abs().min()) == 127
         xd = (q.view(M, -1, 32).double() * d.double()[..., None]).view(M, K)
         assert_linear_close(y, (xd @ dense.T + bias.double()).float(), what)
 

@@ -16,7 +16,11 @@
 // The activations go in as q + 128 (unsigned), so each sum carries 128 * sum(codes) too;
 // the integer accumulator starts at minus that (per weight row and group), which removes
 // it exactly. AVX2's vpmaddubsw adds pairs of u8 x s8 products in int16: with the +128
-// offset that holds only for codes of |c| <= 64 (every 4- to 6-bit format). 8-bit codes
+// offset that holds only for codes of |c| <= 64 (every 4- to 6-bit format). Smaller codes
+// leave room for more: a pair is at most 2 x 255 x C for |c| <= C, so several vpmaddubsw
+// results add up in int16 (vpaddw) before one vpmaddwd widens them (int16_sums), which
+// spares most of the widening multiplies: 4 results at a time for 4-bit codes and Q5_0's,
+// 2 for the other 5- and 6-bit ones. 8-bit codes
 // on AVX2 without VNNI (kSigned8) dot the other way round: the codes' magnitudes are the
 // unsigned operand and the activations, back to signed q, take the codes' signs
 // (vpsignb), so a pair sums at most 2 x 128 x 127 < 2^15 and no offset is there to remove.
@@ -57,6 +61,7 @@ struct GemmFormat {
   int64_t sub = kGroup;
   bool has_min = false;
   bool signed8 = false;  // 8-bit codes on AVX2 without VNNI: see the top
+  int sums = 1;          // vpmaddubsw results summed in int16 before widening (int16_sums)
 };
 
 // Whether the layer's codes may use all 8 bits (vpmaddubsw with the +128 offset cannot).
@@ -73,15 +78,48 @@ constexpr bool kMaddubs =
     false;
 #endif
 
+// How many vpmaddubsw results (int16 lanes, each a pair of (q + 128) x code products) add
+// up in int16 without overflow, for codes of |c| <= max_code: a pair is at most
+// 2 x 255 x max_code, so n of them stay within 32767 for n <= 32767 / (510 max_code):
+//   max_code  8 (-8..7):   8 (a whole group of 32 codes: 4 x 8 steps of 4)
+//   max_code 15 (0..15):   4 (4-bit codes), 16 (Q5_0's -16..15): 4
+//   max_code 31 (0..31):   2 (Q5_K, Q5_1), 32 (Q6_K's -32..31): 2
+//   max_code 64:           1 (one widening per 4 codes, as before); 8-bit codes: 1
+// A power of two (the steps of 4 codes per scale, 4 or 8, split evenly), at most 8.
+constexpr int int16_sums(int max_code) {
+  const int n = max_code <= 0 ? 8 : 32767 / (2 * 255 * max_code);
+  return n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1;
+}
+static_assert(int16_sums(8) == 8 && int16_sums(15) == 4 && int16_sums(16) == 4 &&
+              int16_sums(31) == 2 && int16_sums(32) == 2 && int16_sums(64) == 1 &&
+              int16_sums(128) == 1);
+
 GemmFormat format_of(const QLinear& L) {
-  if (is_stored(L.kind)) return {stored_gemm_sub(L.kind), stored_gemm_has_min(L.kind)};
-  const bool s8 = kMaddubs && eight_bit_codes(L);
-  switch (L.kind) {
-    case WeightKind::Q4:
-    case WeightKind::Q4F: return {kGroup, true};
-    case WeightKind::Q8B: return {L.group, L.has_min, s8};
-    default: return {kGroup, false, s8};  // Q8: one scale per row, repeated per group
+  GemmFormat f;
+  int max_code = 128;  // 8-bit codes
+  if (is_stored(L.kind)) {
+    f.sub = stored_gemm_sub(L.kind);
+    f.has_min = stored_gemm_has_min(L.kind);
+    max_code = stored_gemm_max_code(L.kind);
+  } else {
+    switch (L.kind) {
+      case WeightKind::Q4:
+      case WeightKind::Q4F:  // codes 0..15, w = sc * c + mn
+        f.has_min = true;
+        max_code = 15;
+        break;
+      case WeightKind::Q8B:
+        f.sub = L.group;
+        f.has_min = L.has_min;
+        break;
+      default: break;  // Q8: one scale per row, repeated per group
+    }
+    f.signed8 = kMaddubs && eight_bit_codes(L);
   }
+  // Only vpmaddubsw's int16 pair sums need this; the signed 8-bit path has no room (see
+  // the top), and VNNI's vpdpbusd sums in int32 already.
+  if (kMaddubs && !f.signed8) f.sums = int16_sums(max_code);
+  return f;
 }
 
 // -128 * the sum of each SUB codes (vectorized: SUB is a constant).
@@ -219,6 +257,11 @@ inline __m256i dot4(__m256i acc, __m256i a, __m256i w) {
 #endif
 }
 
+// acc + 8 lanes of int16 sums h (vpmaddubsw results added up: int16_sums) widened to int32.
+inline __m256i widen_add(__m256i acc, __m256i h) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(h, _mm256_set1_epi16(1)));
+}
+
 // acc + 8 lanes of sums of 4 products of signed activations (as: q, not q + 128) and 8-bit
 // codes w, w_abs their magnitudes (-128's is 128 as an unsigned byte): vpmaddubsw's int16
 // pair sums stay within 2 x 128 x 127.
@@ -231,9 +274,12 @@ inline __m256i dot4_signed(__m256i acc, __m256i as, __m256i w_abs, __m256i w) {
 
 // Rows r0..r0+R of the tile against panels p0..p0+P: out[r][p][lane]. kWide: int16
 // activations, pq their low bytes and pqh their high ones; kSigned8: 8-bit codes on AVX2
-// without VNNI (see the top).
-template <int64_t SUB, bool kMin, bool kWide, bool kSigned8, int R, int P>
+// without VNNI (see the top); kSums: vpmaddubsw results summed in int16 before each
+// widening to int32 (int16_sums; 1 for kWide, kSigned8 and VNNI).
+template <int64_t SUB, bool kMin, bool kWide, bool kSigned8, int kSums, int R, int P>
 void tile(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* out) {
+  static_assert(SUB % (4 * kSums) == 0, "whole int16 sums per scale");
+  static_assert(kSums == 1 || (kMaddubs && !kWide && !kSigned8), "int16 sums: vpmaddubsw");
   const int64_t K = w.K, nsub = K / SUB;
   const int64_t pbytes = K * kLanes, pfloats = K / kGroup * kLanes;
   const uint8_t* A = (kWide ? a.pqh : a.pq).data() + p0 * pbytes;
@@ -256,30 +302,42 @@ void tile(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* o
         for (int p = 0; p < P; ++p) il[r][p] = _mm256_setzero_si256();
     }
     const uint8_t* ag = A + gs * SUB * kLanes;
-    for (int64_t j = 0; j < SUB / 4; ++j) {
-      __m256i av[P], al[kWide ? P : 1];
-      for (int p = 0; p < P; ++p) {
-        av[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + p * pbytes + 32 * j));
-        if constexpr (kSigned8)  // q + 128 back to q
-          av[p] = _mm256_xor_si256(av[p], _mm256_set1_epi8(static_cast<char>(0x80)));
-        if constexpr (kWide)
-          al[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-              AL + gs * SUB * kLanes + p * pbytes + 32 * j));
-      }
-      for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, w.c(r0 + r) + gs * SUB + 4 * j, 4);
-        const __m256i wb = _mm256_set1_epi32(four);
-        if constexpr (kSigned8) {
-          const __m256i wabs = _mm256_abs_epi8(wb);
-          for (int p = 0; p < P; ++p) ia[r][p] = dot4_signed(ia[r][p], av[p], wabs, wb);
-          continue;
-        }
+    for (int64_t j0 = 0; j0 < SUB / 4; j0 += kSums) {
+      __m256i ih[kSums > 1 ? R : 1][kSums > 1 ? P : 1];  // kSums > 1: the int16 sums
+      for (int64_t j = j0; j < j0 + kSums; ++j) {
+        __m256i av[P], al[kWide ? P : 1];
         for (int p = 0; p < P; ++p) {
-          ia[r][p] = dot4(ia[r][p], av[p], wb);
-          if constexpr (kWide) il[r][p] = dot4(il[r][p], al[p], wb);
+          av[p] =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + p * pbytes + 32 * j));
+          if constexpr (kSigned8)  // q + 128 back to q
+            av[p] = _mm256_xor_si256(av[p], _mm256_set1_epi8(static_cast<char>(0x80)));
+          if constexpr (kWide)
+            al[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                AL + gs * SUB * kLanes + p * pbytes + 32 * j));
+        }
+        for (int r = 0; r < R; ++r) {
+          int32_t four;
+          std::memcpy(&four, w.c(r0 + r) + gs * SUB + 4 * j, 4);
+          const __m256i wb = _mm256_set1_epi32(four);
+          if constexpr (kSigned8) {
+            const __m256i wabs = _mm256_abs_epi8(wb);
+            for (int p = 0; p < P; ++p) ia[r][p] = dot4_signed(ia[r][p], av[p], wabs, wb);
+          } else if constexpr (kSums > 1) {
+            for (int p = 0; p < P; ++p) {
+              const __m256i pairs = _mm256_maddubs_epi16(av[p], wb);
+              ih[r][p] = j == j0 ? pairs : _mm256_add_epi16(ih[r][p], pairs);
+            }
+          } else {
+            for (int p = 0; p < P; ++p) {
+              ia[r][p] = dot4(ia[r][p], av[p], wb);
+              if constexpr (kWide) il[r][p] = dot4(il[r][p], al[p], wb);
+            }
+          }
         }
       }
+      if constexpr (kSums > 1)
+        for (int r = 0; r < R; ++r)
+          for (int p = 0; p < P; ++p) ia[r][p] = widen_add(ia[r][p], ih[r][p]);
     }
     if constexpr (kWide)
       for (int r = 0; r < R; ++r)
@@ -341,7 +399,7 @@ void scatter(const float* out, int64_t M, int64_t N, int64_t n0, int64_t p0, flo
       }
 }
 
-template <int64_t SUB, bool kMin, bool kWide, bool kSigned8 = false>
+template <int64_t SUB, bool kMin, bool kWide, bool kSigned8, int kSums>
 void gemm_t(const QLinear& L, const QuantizedActs& a, float* y) {
   constexpr int kTileP = kWide ? kPW : kP;
   const int64_t M = a.M, N = L.out_features, K = L.in_features;
@@ -375,22 +433,40 @@ void gemm_t(const QLinear& L, const QuantizedActs& a, float* y) {
         if (rows == kR) {
           int64_t p = c0;
           for (; p + kTileP <= c1; p += kTileP) {
-            tile<SUB, kMin, kWide, kSigned8, kR, kTileP>(w, 0, a, p, out);
+            tile<SUB, kMin, kWide, kSigned8, kSums, kR, kTileP>(w, 0, a, p, out);
             scatter<kR, kTileP>(out, M, N, n0, p, y);
           }
           for (; p < c1; ++p) {
-            tile<SUB, kMin, kWide, kSigned8, kR, 1>(w, 0, a, p, out);
+            tile<SUB, kMin, kWide, kSigned8, kSums, kR, 1>(w, 0, a, p, out);
             scatter<kR, 1>(out, M, N, n0, p, y);
           }
         } else {
           for (int r = 0; r < rows; ++r)
             for (int64_t p = c0; p < c1; ++p) {
-              tile<SUB, kMin, kWide, kSigned8, 1, 1>(w, r, a, p, out);
+              tile<SUB, kMin, kWide, kSigned8, kSums, 1, 1>(w, r, a, p, out);
               scatter<1, 1>(out, M, N, n0 + r, p, y);
             }
         }
       }
     });
+  }
+}
+
+// gemm_t for format f: its weights per scale (16 or 32), min term or not, and int16 sums
+// (f.sums: a power of two, found from kSums up). Int16 sums only on the plain vpmaddubsw
+// path: kSigned8 has no room for them, and int16 activations (kWide) come with 8-bit codes
+// only (Q8, Q8B heads), whose f.sums is 1 anyway.
+template <bool kWide, bool kSigned8, int kSums = 1>
+void gemm_for(const GemmFormat& f, const QLinear& L, const QuantizedActs& a, float* y) {
+  if constexpr (kMaddubs && !kWide && !kSigned8 && kSums < 8) {
+    if (f.sums > kSums) return gemm_for<kWide, kSigned8, 2 * kSums>(f, L, a, y);
+  }
+  if (f.sub == 16) {
+    gemm_t<16, false, kWide, kSigned8, std::min(kSums, 4)>(L, a, y);  // 4 steps of 4 a scale
+  } else if (f.has_min) {
+    gemm_t<kGroup, true, kWide, kSigned8, kSums>(L, a, y);
+  } else {
+    gemm_t<kGroup, false, kWide, kSigned8, kSums>(L, a, y);
   }
 }
 
@@ -475,32 +551,10 @@ void gemm_int8(const QLinear& L, const QuantizedActs& a, float* y) {
               "the int8 GEMM needs activations quantized and interleaved for it");
   const GemmFormat f = format_of(L);
   if constexpr (kMaddubs) {
-    if (f.signed8) {  // never wide: gemm_supported
-      if (f.sub == 16) {
-        gemm_t<16, false, false, true>(L, a, y);
-      } else if (f.has_min) {
-        gemm_t<kGroup, true, false, true>(L, a, y);
-      } else {
-        gemm_t<kGroup, false, false, true>(L, a, y);
-      }
-      return;
-    }
+    if (f.signed8) return gemm_for<false, true>(f, L, a, y);  // never wide: gemm_supported
   }
-  if (L.wide_acts) {
-    if (f.sub == 16) {
-      gemm_t<16, false, true>(L, a, y);
-    } else if (f.has_min) {
-      gemm_t<kGroup, true, true>(L, a, y);
-    } else {
-      gemm_t<kGroup, false, true>(L, a, y);
-    }
-  } else if (f.sub == 16) {
-    gemm_t<16, false, false>(L, a, y);
-  } else if (f.has_min) {
-    gemm_t<kGroup, true, false>(L, a, y);
-  } else {
-    gemm_t<kGroup, false, false>(L, a, y);
-  }
+  if (L.wide_acts) return gemm_for<true, false>(f, L, a, y);
+  gemm_for<false, false>(f, L, a, y);
 }
 
 bool QLinear::gemm_supported() const {

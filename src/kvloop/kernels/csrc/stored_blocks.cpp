@@ -15,6 +15,7 @@
 
 #include "kvloop.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "simd.h"
@@ -25,13 +26,23 @@ namespace {
 constexpr int64_t kGroup = 32;
 constexpr int kCols = 4;  // activation rows sharing one pass over a weight row (linear.cpp)
 
-// Weights per block, bytes per block, weights per scale.
+// Weights per block, bytes per block, weights per scale, bits per code.
 template <WeightKind K> struct Traits;
-template <> struct Traits<WeightKind::Q4_K> { static constexpr int64_t QK = 256, BYTES = 144, SUB = 32; };
-template <> struct Traits<WeightKind::Q5_K> { static constexpr int64_t QK = 256, BYTES = 176, SUB = 32; };
-template <> struct Traits<WeightKind::Q6_K> { static constexpr int64_t QK = 256, BYTES = 210, SUB = 16; };
-template <> struct Traits<WeightKind::Q5_0> { static constexpr int64_t QK = 32, BYTES = 22, SUB = 32; };
-template <> struct Traits<WeightKind::Q5_1> { static constexpr int64_t QK = 32, BYTES = 24, SUB = 32; };
+template <> struct Traits<WeightKind::Q4_K> { static constexpr int64_t QK = 256, BYTES = 144, SUB = 32, BITS = 4; };
+template <> struct Traits<WeightKind::Q5_K> { static constexpr int64_t QK = 256, BYTES = 176, SUB = 32, BITS = 5; };
+template <> struct Traits<WeightKind::Q6_K> { static constexpr int64_t QK = 256, BYTES = 210, SUB = 16, BITS = 6; };
+template <> struct Traits<WeightKind::Q5_0> { static constexpr int64_t QK = 32, BYTES = 22, SUB = 32, BITS = 5; };
+template <> struct Traits<WeightKind::Q5_1> { static constexpr int64_t QK = 32, BYTES = 24, SUB = 32, BITS = 5; };
+
+// The GEMM's codes are u - kCodeShift (unpack_t: Q5_0's and Q6_K's mins folded in).
+template <WeightKind K>
+constexpr int kCodeShift = K == WeightKind::Q6_K ? 32 : K == WeightKind::Q5_0 ? 16 : 0;
+// The largest |code| of the GEMM's codes: u in [0, 2^BITS), minus kCodeShift.
+template <WeightKind K>
+constexpr int kMaxCode = std::max<int>(kCodeShift<K>, (1 << Traits<K>::BITS) - 1 - kCodeShift<K>);
+static_assert(kMaxCode<WeightKind::Q4_K> == 15 && kMaxCode<WeightKind::Q5_K> == 31 &&
+              kMaxCode<WeightKind::Q6_K> == 32 && kMaxCode<WeightKind::Q5_0> == 16 &&
+              kMaxCode<WeightKind::Q5_1> == 31);
 
 inline float f16_at(const uint8_t* p) {
   uint16_t h;
@@ -411,7 +422,7 @@ template <WeightKind K>
 void unpack_t(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn, int32_t* corr) {
   using T = Traits<K>;
   constexpr int64_t S = T::QK / T::SUB, G = T::QK / kGroup;
-  constexpr int kShift = K == WeightKind::Q6_K ? 32 : K == WeightKind::Q5_0 ? 16 : 0;
+  constexpr int kShift = kCodeShift<K>;
   const int64_t blocks = L.in_features / T::QK;
   const uint8_t* row = L.weight.data_ptr<uint8_t>() + n * blocks * T::BYTES;
   for (int64_t bi = 0; bi < blocks; ++bi) {
@@ -497,6 +508,14 @@ int64_t stored_gemm_sub(WeightKind kind) {
 
 bool stored_gemm_has_min(WeightKind kind) {
   return kind == WeightKind::Q4_K || kind == WeightKind::Q5_K || kind == WeightKind::Q5_1;
+}
+
+int stored_gemm_max_code(WeightKind kind) {
+  int c = 0;
+#define MAX_CODE(F) c = kMaxCode<F>
+  switch (kind) { KVLOOP_STORED_KINDS(MAX_CODE) }
+#undef MAX_CODE
+  return c;
 }
 
 void stored_unpack_row(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn,
