@@ -80,7 +80,7 @@ def test_every_path_matches_float64_at_threshold_rows(isa: str, layout: str) -> 
     # at every size where the layer supports it, else the decoded-weights GEMM.
     if lin.gemm_supported:
         min_rows = NEVER
-        lin.set_int8_gemm(p.int8_gemm_min_rows)
+        lin.set_int8_gemm(p.int8_gemm_rows(lin.eight_bit_codes))
     else:
         lin.set_batched_decode(min_rows, bf16)
     dense = dequantize(kind, w, K, sc).double()
@@ -125,7 +125,7 @@ def test_stored_blocks_match_gguf_float64_at_threshold_rows(isa: str, fmt: Any) 
     dense = gguf_w.double()
     assert lin.gemm_supported  # 4- to 6-bit codes: every build
     min_rows = NEVER  # the int8 GEMM from its row count at every size, as models.native sets
-    lin.set_int8_gemm(p.int8_gemm_min_rows)
+    lin.set_int8_gemm(p.int8_gemm_rows(lin.eight_bit_codes))
     for M in ROWS:
         x = torch.randn(M, K, generator=g)
         y = lin.forward(x)
@@ -335,7 +335,7 @@ def test_policy_is_per_cpu_class() -> None:
     assert not dispatch.FP32_POLICY.quantized_bf16 and dispatch.BF16_POLICY.quantized_bf16
     for p in (dispatch.BF16_POLICY, dispatch.FP32_POLICY):
         assert 1 <= p.quantized_min_rows <= 1024 and 1 <= p.fp32_min_rows <= 1024
-        assert 1 <= p.int8_gemm_min_rows <= 64
+        assert 1 <= p.int8_gemm_min_rows <= p.int8_gemm_min_rows_8bit <= 64
 
 
 def _run(code: str, isa: str) -> str:

@@ -36,10 +36,16 @@ class GemmPolicy:
     fp32_min_rows: int  # fp32 layers: ATen's GEMM over the weight itself
     # Quantized layers the int8 GEMM takes (QLinear.gemm_supported: every format and the
     # head's int16 activations, but not both 8-bit codes and int16 activations without
-    # VNNI) run in it from int8_gemm_min_rows rows, prefill included, instead of the row
-    # kernels and of the decoded-weights GEMM (quantized_min_rows serves the layers it
-    # does not take).
+    # VNNI) run in it from int8_gemm_min_rows rows (int8_gemm_min_rows_8bit for 8-bit
+    # codes, which dot slower without VNNI), prefill included, instead of the row kernels
+    # and of the decoded-weights GEMM (quantized_min_rows serves the layers it does not
+    # take).
     int8_gemm_min_rows: int
+    int8_gemm_min_rows_8bit: int
+
+    def int8_gemm_rows(self, eight_bit_codes: bool) -> int:
+        """The rows from which a layer with such codes runs in the int8 GEMM."""
+        return self.int8_gemm_min_rows_8bit if eight_bit_codes else self.int8_gemm_min_rows
 
 
 # The int8 GEMM against the other paths, one core, Llama-3.2-1B-shaped Q4_K_M and Q8_0
@@ -57,9 +63,15 @@ class GemmPolicy:
 # AVX512-BF16 (Zen 4 here): the layers the GEMM does not take decoded to bf16, oneDNN's
 # bf16 GEMM ~2x the row kernels' rate from 16 rows; fp32 layers: the native kernels up to
 # 64 rows.
-BF16_POLICY = GemmPolicy("AVX512-BF16", 16, True, 65, 16)
-# Without fast bf16 (AVX2 + FMA, or AVX-512 without BF16): decoded to fp32.
-FP32_POLICY = GemmPolicy("AVX2 + FMA", 65, False, 65, 16)
+BF16_POLICY = GemmPolicy("AVX512-BF16", 16, True, 65, 16, 16)
+# Without fast bf16 (AVX2 + FMA, or AVX-512 without BF16): decoded to fp32. The int8 GEMM
+# on AVX2 (vpmaddubsw, int16 sums of up to 4 products for 4- to 6-bit codes), one core of
+# a Zen 3, against the row kernels: Llama-3.2-1B-shaped layers (8192x2048, 2048x8192) at 8
+# rows take 0.64-0.72x their time for Q4_K, 0.58-0.65x for Q6_K, but 0.95-1.04x for Q8_0
+# (16 rows: 0.72-0.77x); the default model's int4 layers (K = 576) 0.83-1.06x at 8 rows,
+# its int8 ones 1.03-1.10x at 16 and 0.93-0.98x at 24-32. So 4- to 6-bit codes from 8 rows,
+# 8-bit ones from 16.
+FP32_POLICY = GemmPolicy("AVX2 + FMA", 65, False, 65, 8, 16)
 # The AVX512-BF16 row threshold under the name the kernel tests use.
 BF16_MIN_ROWS = BF16_POLICY.quantized_min_rows
 
@@ -89,9 +101,9 @@ def quantized_batched_path() -> tuple[int, bool]:
     return p.quantized_min_rows, p.quantized_bf16
 
 
-def int8_gemm_min_rows() -> int:
-    """The rows from which a quantized layer the int8 GEMM supports runs in it."""
-    return policy().int8_gemm_min_rows
+def int8_gemm_min_rows(native: Any) -> int:
+    """The rows from which a native quantized layer the int8 GEMM supports runs in it."""
+    return policy().int8_gemm_rows(bool(native.eight_bit_codes))
 
 
 def has_batched_path(native: Any) -> bool:

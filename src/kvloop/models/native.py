@@ -71,11 +71,10 @@ def attach_native_linears(model: CausalLM) -> None:
     batches, in bf16 where AVX512-BF16 makes that ~2x faster (activations rounded to bf16),
     else fp32."""
     min_rows, bf16 = dispatch.quantized_batched_path()
-    gemm_min = dispatch.int8_gemm_min_rows()
 
     def policy(native: Any) -> None:
         if native.gemm_supported:
-            native.set_int8_gemm(gemm_min)
+            native.set_int8_gemm(dispatch.int8_gemm_min_rows(native))
         else:
             native.set_batched_decode(min_rows, bf16)
 

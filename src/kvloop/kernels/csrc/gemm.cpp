@@ -64,11 +64,6 @@ struct GemmFormat {
   int sums = 1;          // vpmaddubsw results summed in int16 before widening (int16_sums)
 };
 
-// Whether the layer's codes may use all 8 bits (vpmaddubsw with the +128 offset cannot).
-bool eight_bit_codes(const QLinear& L) {
-  return L.kind == WeightKind::Q8 || L.kind == WeightKind::Q8B;
-}
-
 // This build's vpmaddubsw path (AVX2 without VNNI): 8-bit codes dot with signed
 // activations; every other build dots them as any other code.
 constexpr bool kMaddubs =
@@ -114,7 +109,7 @@ GemmFormat format_of(const QLinear& L) {
         break;
       default: break;  // Q8: one scale per row, repeated per group
     }
-    f.signed8 = kMaddubs && eight_bit_codes(L);
+    f.signed8 = kMaddubs && L.eight_bit_codes();  // all 8 bits: no +128 offset
   }
   // Only vpmaddubsw's int16 pair sums need this; the signed 8-bit path has no room (see
   // the top), and VNNI's vpdpbusd sums in int32 already.
@@ -557,6 +552,13 @@ void gemm_int8(const QLinear& L, const QuantizedActs& a, float* y) {
   gemm_for<false, false>(f, L, a, y);
 }
 
+bool QLinear::eight_bit_codes() const {
+  if (!parts.empty())
+    return std::any_of(parts.begin(), parts.end(),
+                       [](const auto& p) { return p->eight_bit_codes(); });
+  return kind == WeightKind::Q8 || kind == WeightKind::Q8B;
+}
+
 bool QLinear::gemm_supported() const {
   if (!parts.empty())
     return std::all_of(parts.begin(), parts.end(),
@@ -565,7 +567,7 @@ bool QLinear::gemm_supported() const {
   if (kind == WeightKind::Q8B && has_min && group != kGroup) return false;
   // vpmaddubsw: 8-bit codes dot with signed activations (see the top), which a head's
   // int16 activations, split into an unsigned low byte and a high one, are not.
-  if (kMaddubs && eight_bit_codes(*this) && wide_acts) return false;
+  if (kMaddubs && eight_bit_codes() && wide_acts) return false;
   return true;
 }
 

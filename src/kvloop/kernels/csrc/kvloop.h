@@ -175,6 +175,9 @@ struct QLinear {
   void set_batched_decode(int64_t min_rows, bool bf16 = true);  // see `batched_decode`
   // Whether this layer's format runs in the int8 GEMM on this build (stacks: every part).
   bool gemm_supported() const;
+  // Whether its codes use all 8 bits (Q8, Q8B; stacks: any part), which dot slower in the
+  // int8 GEMM without VNNI (kvloop.dispatch starts them there at more rows).
+  bool eight_bit_codes() const;
   void set_int8_gemm(int64_t min_rows);  // see `gemm_min_rows`; 0 turns it off
   // Rows n0..n1 of the weights as the kernels decode them (w = scale * code + min, fp32),
   // rounded to bf16 (round to nearest even, as torch's .to(bfloat16)) unless fp32 out.
