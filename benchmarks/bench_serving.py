@@ -119,6 +119,23 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict,
                       chat: bool) -> RequestResult:
     start = time.perf_counter()
     res = RequestResult(ok=False)
+    for attempt in range(2):
+        try:
+            return await stream_request(client, path, body, chat, start, res)
+        except httpx.RemoteProtocolError as e:
+            # A kept-alive connection the server closed while idle (llama-server does so
+            # after a few seconds): nothing was sent back, so send it again on a new one,
+            # as the openai SDK's retries do. Its time still counts from `start`.
+            res.error = repr(e)
+            if attempt or res.ttft:  # a token came: the failure is the result
+                return res
+    return res
+
+
+async def stream_request(client: httpx.AsyncClient, path: str, body: dict, chat: bool,
+                         start: float, res: RequestResult) -> RequestResult:
+    """Sends one streamed request into `res`; raises RemoteProtocolError where the server
+    dropped the connection (the caller may retry), records any other failure in res."""
     last = None
     try:
         async with client.stream("POST", path, json=body) as r:
@@ -149,6 +166,8 @@ async def one_request(client: httpx.AsyncClient, path: str, body: dict,
         res.ok = last is not None and res.output_tokens > 0
         if not res.ok:
             res.error = "no tokens streamed"
+    except httpx.RemoteProtocolError:
+        raise
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         res.error = repr(e)
     return res
