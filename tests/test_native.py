@@ -272,6 +272,36 @@ def test_int8_weights_with_int16_activations(N: int, K: int) -> None:
         native_linear(F32, torch.randn(N, K), K, wide_acts=True)
 
 
+@pytest.mark.parametrize("layout", ["q8", "q4", "q4f", "q8b-g16", "q8b-min-f32",
+                                    "q8b-g32-f16"])
+def test_batch1_weight_rows_in_fours(layout: str) -> None:
+    # Below 4 activation rows the AVX2 kernels take 4 weight rows a call (Q4, Q4F, and the
+    # 8-bit layouts with int16 activations: the head), the rest of a thread's share one at
+    # a time. Row counts around 4 and around the threads' split (1 and 2 threads), K with
+    # an odd last group (544, 96: 17 and 3 groups): each row equals the reference, and
+    # (the same arithmetic) the row computed in one call with 4 activation rows.
+    wide = layout.startswith("q8")
+    threads = torch.get_num_threads()
+    try:
+        for N, K in ((1, 544), (3, 576), (6, 576), (13, 544), (37, 96), (70, 1536)):
+            g = _gen(N + K + len(layout))
+            kind, w, sc = _layouts(N, K, g)[layout]
+            lin = native_linear(kind, w, K, sc, None, wide_acts=wide)
+            x = torch.randn(4, K, generator=g)
+            y4 = lin.forward(x)
+            ref = linear_reference(x, kind, w, K, sc, wide_acts=wide)
+            for t in (1, 2):
+                torch.set_num_threads(t)
+                for M in (1, 2, 3):
+                    y = torch.cat([lin.forward(x[m : m + M]) for m in range(0, 4, M)])[:4]
+                    what = f"N={N}, K={K}, M={M}, threads={t}"
+                    assert_linear_close(y, ref, what)
+                    torch.testing.assert_close(y, y4, rtol=0, atol=1e-6 * float(y4.abs().max()),
+                                               msg=lambda m, what=what: f"{what}: {m}")
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _layouts(N: int, K: int, g: torch.Generator) -> dict[str, tuple]:
     """(kind, weight, scales) of every kernel layout: Q4F and the Q8B variants from
     GroupWeights (scales that fp16 cannot hold force fp32 ones)."""

@@ -58,6 +58,38 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// hsum of each of a, b, c, d, as {a, b, c, d}: the same additions in the same order as
+// hsum's (so bit-identical to four of them), in about half the instructions.
+inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  // [x_lo + x_hi] for x = a, c (the 128-bit halves) and b, d: hsum's first step
+  const __m256 ac = _mm256_add_ps(_mm256_permute2f128_ps(a, c, 0x20),
+                                  _mm256_permute2f128_ps(a, c, 0x31));
+  const __m256 bd = _mm256_add_ps(_mm256_permute2f128_ps(b, d, 0x20),
+                                  _mm256_permute2f128_ps(b, d, 0x31));
+  // per 128-bit half: {s0 + s2 of ac, of bd, s1 + s3 of ac, of bd}, then their sums
+  const __m256 t = _mm256_add_ps(_mm256_unpacklo_ps(ac, bd), _mm256_unpackhi_ps(ac, bd));
+  const __m256 u = _mm256_add_ps(t, _mm256_permute_ps(t, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_castpd_ps(_mm_unpacklo_pd(_mm_castps_pd(_mm256_castps256_ps128(u)),
+                                       _mm_castps_pd(_mm256_extractf128_ps(u, 1))));
+}
+
+// out[r] = hsum(v[r]) for R = 1, 2, 4 or 8 vectors.
+template <int R>
+inline void hsum_rows(const __m256 (&v)[R], float (&out)[R]) {
+  if constexpr (R == 1) {
+    out[0] = hsum(v[0]);
+  } else if constexpr (R == 2) {
+    float o[4];
+    _mm_storeu_ps(o, hsum4(v[0], v[1], v[0], v[1]));
+    out[0] = o[0];
+    out[1] = o[1];
+  } else {
+    static_assert(R % 4 == 0, "hsum_rows: 1, 2 or a multiple of 4 rows");
+    for (int r = 0; r < R; r += 4)
+      _mm_storeu_ps(out + r, hsum4(v[r], v[r + 1], v[r + 2], v[r + 3]));
+  }
+}
+
 // {f[0] x4, f[1] x4}: the factors of two adjacent groups (or half blocks) for the lanes
 // their dot products land in, from one 8-byte load and a permute (two broadcasts and an
 // insert cost a third more per group in the AVX2 inner loops).
