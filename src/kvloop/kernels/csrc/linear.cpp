@@ -721,6 +721,26 @@ void rows_q8b_wide(const int8_t* W, const uint8_t* S, const QuantizedActs& A, in
 }
 #endif
 
+// f(F32S, G, MIN) for a Q8B layer's variant, each as a std::integral_constant: fp32 or
+// fp16 scales, groups of 16 or 32, with or without mins (only with groups of 32).
+template <typename F>
+void with_q8b_variant(const QLinear& L, F&& f) {
+  using Yes = std::true_type;
+  using No = std::false_type;
+  using G16 = std::integral_constant<int, 16>;
+  using G32 = std::integral_constant<int, 32>;
+  if (L.has_min) {
+    if (L.f32_scales) f(Yes{}, G32{}, Yes{});
+    else f(No{}, G32{}, Yes{});
+  } else if (L.group == 16) {
+    if (L.f32_scales) f(Yes{}, G16{}, No{});
+    else f(No{}, G16{}, No{});
+  } else {
+    if (L.f32_scales) f(Yes{}, G32{}, No{});
+    else f(No{}, G32{}, No{});
+  }
+}
+
 #ifdef KVLOOP_MULTI_ROW
 // Weight rows n..n+R against activation rows m0..m1 (fewer than kCols: each one alone),
 // for the layouts with a multi-row kernel (multi_row); false for the others.
@@ -744,16 +764,10 @@ void rows_batch1(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m
       case WeightKind::Q8B: {
         const int8_t* W = L.weight.data_ptr<int8_t>();
         const auto* S = static_cast<const uint8_t*>(L.scales.data_ptr());
-        if (L.has_min) {
-          if (L.f32_scales) rows_q8b_wide<R, true, 32, true>(W, S, A, N, n, m, y);
-          else rows_q8b_wide<R, false, 32, true>(W, S, A, N, n, m, y);
-        } else if (L.group == 16) {
-          if (L.f32_scales) rows_q8b_wide<R, true, 16, false>(W, S, A, N, n, m, y);
-          else rows_q8b_wide<R, false, 16, false>(W, S, A, N, n, m, y);
-        } else {
-          if (L.f32_scales) rows_q8b_wide<R, true, 32, false>(W, S, A, N, n, m, y);
-          else rows_q8b_wide<R, false, 32, false>(W, S, A, N, n, m, y);
-        }
+        with_q8b_variant(L, [&](auto f32s, auto g, auto mn) {
+          rows_q8b_wide<R, decltype(f32s)::value, decltype(g)::value, decltype(mn)::value>(
+              W, S, A, N, n, m, y);
+        });
         break;
       }
 #endif
@@ -804,16 +818,10 @@ void rows_q8b(const QLinear& L, const float* x, const QuantizedActs* A, int64_t 
 template <int C>
 void rows_q8b_any(const QLinear& L, const float* x, const QuantizedActs* A, int64_t m0,
                   int64_t m1, int64_t n, float* y) {
-  if (L.has_min) {
-    if (L.f32_scales) rows_q8b<C, true, 32, true>(L, x, A, m0, m1, n, y);
-    else rows_q8b<C, false, 32, true>(L, x, A, m0, m1, n, y);
-  } else if (L.group == 16) {
-    if (L.f32_scales) rows_q8b<C, true, 16, false>(L, x, A, m0, m1, n, y);
-    else rows_q8b<C, false, 16, false>(L, x, A, m0, m1, n, y);
-  } else {
-    if (L.f32_scales) rows_q8b<C, true, 32, false>(L, x, A, m0, m1, n, y);
-    else rows_q8b<C, false, 32, false>(L, x, A, m0, m1, n, y);
-  }
+  with_q8b_variant(L, [&](auto f32s, auto g, auto mn) {
+    rows_q8b<C, decltype(f32s)::value, decltype(g)::value, decltype(mn)::value>(L, x, A, m0,
+                                                                              m1, n, y);
+  });
 }
 
 // ---- batched, fp32: a tile of R weight rows x C activation rows ----
