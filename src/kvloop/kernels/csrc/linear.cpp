@@ -141,6 +141,14 @@ inline void even_odd_blocks(int64_t nb, Acc* acc0, Acc* acc1, F&& block) {
   if (b < nb) block(b, acc0);
 }
 
+// pair(b, acc) for the pairs of groups b, b + 1 in 0..nb, alternating acc0 and acc1 as
+// even_odd_blocks does; returns the group it stopped at (nb, or nb - 1 for an odd last).
+template <typename Acc, typename F>
+inline int64_t even_odd_pairs(int64_t nb, Acc* acc0, Acc* acc1, F&& pair) {
+  even_odd_blocks(nb / 2, acc0, acc1, [&](int64_t p, Acc* acc) { pair(2 * p, acc); });
+  return nb / 2 * 2;
+}
+
 template <int C>
 void row_q8(const int8_t* W, const float* scales, const QuantizedActs& A, int64_t N,
             int64_t n, int64_t m0, float* Y) {
@@ -272,15 +280,7 @@ void row_q4(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, int6
       acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sc, acc[c]);
     }
   };
-  int64_t b = 0;
-  for (; b + 4 <= nb; b += 4) {
-    pair(b, acc0);
-    pair(b + 2, acc1);
-  }
-  if (b + 2 <= nb) {
-    pair(b, acc0);
-    b += 2;
-  }
+  int64_t b = even_odd_pairs(nb, acc0, acc1, pair);
   if (b < nb) {  // an odd last group: stored in element order in A.qp
     const __m256i q = unpack_q4(codes + b * (kGroup / 2));
     for (int c = 0; c < C; ++c) {
@@ -395,15 +395,7 @@ void rows_q4(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, int
                                pair_factors(&sx[r][b]), acc[r]);
     }
   };
-  int64_t b = 0;
-  for (; b + 4 <= nb; b += 4) {
-    pair(b, acc0);
-    pair(b + 2, acc1);
-  }
-  if (b + 2 <= nb) {
-    pair(b, acc0);
-    b += 2;
-  }
+  int64_t b = even_odd_pairs(nb, acc0, acc1, pair);
   if (b < nb) {  // an odd last group, in element order
     pf.next();
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + b * kGroup));
