@@ -63,7 +63,7 @@ def attach_native_linears(model: CausalLM) -> None:
     uses it at every size.
 
     The layer's one layout serves every batch: small decode batches meet the int8 row
-    kernels (they read only the quantized bytes); from 16 rows (kvloop.dispatch), decode
+    kernels (they read only the quantized bytes); from 8 or 16 rows (kvloop.dispatch), decode
     batches and prefill alike, the int8 GEMM, which unpacks each tile of weight rows once
     for every activation row (the same int8 or, for the head, int16 activations and
     integer sums as the row kernels). The layers the int8 GEMM does not take (a head's 8-bit

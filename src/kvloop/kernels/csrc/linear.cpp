@@ -314,32 +314,25 @@ void row_q4(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, int6
 // arithmetic is the one-row kernel's, operation for operation: the results are
 // bit-identical. (Measured on Zen 3, one thread, K = 576: R = 4 ran 1.4x the one-row
 // kernels' speed with the weights in cache; R = 2 1.2x, R = 8 1.25x.)
-#ifndef KVLOOP_ROWS
-#define KVLOOP_ROWS 4
-#endif
-constexpr int kRows = KVLOOP_ROWS;  // weight rows per call at batch 1
+constexpr int kRows = 4;  // weight rows per call at batch 1
 
 #if defined(__AVX2__) && defined(__F16C__)
 #define KVLOOP_MULTI_ROW 1
-#ifndef KVLOOP_PF
-#define KVLOOP_PF 2
-#endif
+constexpr int64_t kPrefetchCalls = 2;  // how many calls ahead RowPrefetch reads
 // R rows read side by side are R short streams to the hardware prefetcher, and with the
 // weights coming from memory (a whole model, the head) that was slower than one row at a
-// time (0.8-0.95x). So the kernel fetches the rows KVLOOP_PF calls ahead itself, a few
+// time (0.8-0.95x). So the kernel fetches the rows kPrefetchCalls calls ahead itself, a few
 // lines per loop iteration (next(): all of them at the start of the call filled the
 // miss buffers and stalled the loads, 0.7x on the head).
 struct RowPrefetch {
   const char* p;
   int64_t step;  // bytes per next(), whole lines
   RowPrefetch(const void* rows, int64_t bytes, int64_t steps)
-      : p(static_cast<const char*>(rows) + KVLOOP_PF * bytes),
+      : p(static_cast<const char*>(rows) + kPrefetchCalls * bytes),
         step((bytes + 64 * steps - 1) / (64 * steps) * 64) {}
   void next() {
-    if constexpr (KVLOOP_PF > 0) {
-      for (int64_t i = 0; i < step; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
-      p += step;
-    }
+    for (int64_t i = 0; i < step; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+    p += step;
   }
 };
 
@@ -596,6 +589,21 @@ const float* row_scales(const uint8_t* table, int64_t n, float* buf) {
   }
 }
 
+// sum over the nb groups of mins[b] x s[b]: a Q8B head row's min terms against one
+// activation row's per-group sums (s16 = d sum(q)).
+inline float min_term(const float* mins, const float* s, int64_t nb) {
+  float extra = 0.f;
+  int64_t b = 0;
+#ifdef __AVX2__
+  __m256 acc = _mm256_setzero_ps();
+  for (; b + 8 <= nb; b += 8)
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(mins + b), _mm256_loadu_ps(s + b), acc);
+  extra = hsum(acc);
+#endif
+  for (; b < nb; ++b) extra += mins[b] * s[b];
+  return extra;
+}
+
 template <int C, bool F32S, int G, bool MIN>
 void row_q8b_wide(const int8_t* W, const uint8_t* S, const QuantizedActs& A, int64_t N,
                   int64_t n, int64_t m0, float* Y) {
@@ -607,19 +615,7 @@ void row_q8b_wide(const int8_t* W, const uint8_t* S, const QuantizedActs& A, int
   row_wide<C>(W + n * K, GroupScales<G>{row_scales<F32S>(table, ng, buf)}, A, m0, out);
   if constexpr (MIN) {  // + each group's min x the sum of its activations, s16 = d sum(q)
     const float* mins = row_scales<F32S>(table + ng * kS, nb, buf);
-    for (int c = 0; c < C; ++c) {
-      const float* s = A.s16.data() + (m0 + c) * nb;
-      float extra = 0.f;
-      int64_t b = 0;
-#ifdef __AVX2__
-      __m256 acc = _mm256_setzero_ps();
-      for (; b + 8 <= nb; b += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(mins + b), _mm256_loadu_ps(s + b), acc);
-      extra = hsum(acc);
-#endif
-      for (; b < nb; ++b) extra += mins[b] * s[b];
-      out[c] += extra;
-    }
+    for (int c = 0; c < C; ++c) out[c] += min_term(mins, A.s16.data() + (m0 + c) * nb, nb);
   }
   for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c];
 }
@@ -695,20 +691,10 @@ void rows_q8b_wide(const int8_t* W, const uint8_t* S, const QuantizedActs& A, in
   }
   float out[R];
   rows_wide<R>(w, sc, A, m, out);
-  if constexpr (MIN) {
-    const float* s = A.s16.data() + m * nb;
-    for (int r = 0; r < R; ++r) {
-      const float* mins = row_scales<F32S>(table[r] + ng * kS, nb, buf[r]);
-      float extra = 0.f;
-      int64_t b = 0;
-      __m256 acc = _mm256_setzero_ps();
-      for (; b + 8 <= nb; b += 8)
-        acc = _mm256_fmadd_ps(_mm256_loadu_ps(mins + b), _mm256_loadu_ps(s + b), acc);
-      extra = hsum(acc);
-      for (; b < nb; ++b) extra += mins[b] * s[b];
-      out[r] += extra;
-    }
-  }
+  if constexpr (MIN)
+    for (int r = 0; r < R; ++r)
+      out[r] += min_term(row_scales<F32S>(table[r] + ng * kS, nb, buf[r]),
+                         A.s16.data() + m * nb, nb);
   for (int r = 0; r < R; ++r) Y[m * N + n + r] = out[r];
 }
 #endif
@@ -735,7 +721,7 @@ void with_q8b_variant(const QLinear& L, F&& f) {
 
 #ifdef KVLOOP_MULTI_ROW
 // Weight rows n..n+R against activation rows m0..m1 (fewer than kCols: each one alone),
-// for the layouts with a multi-row kernel (multi_row); false for the others.
+// for the layouts with a multi-row kernel (multi_row).
 template <int R>
 void rows_batch1(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m1, int64_t n,
                  float* y) {

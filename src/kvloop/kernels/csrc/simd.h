@@ -73,21 +73,12 @@ inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
                                        _mm_castps_pd(_mm256_extractf128_ps(u, 1))));
 }
 
-// out[r] = hsum(v[r]) for R = 1, 2, 4 or 8 vectors.
+// out[r] = hsum(v[r]) for R vectors, R a multiple of 4.
 template <int R>
 inline void hsum_rows(const __m256 (&v)[R], float (&out)[R]) {
-  if constexpr (R == 1) {
-    out[0] = hsum(v[0]);
-  } else if constexpr (R == 2) {
-    float o[4];
-    _mm_storeu_ps(o, hsum4(v[0], v[1], v[0], v[1]));
-    out[0] = o[0];
-    out[1] = o[1];
-  } else {
-    static_assert(R % 4 == 0, "hsum_rows: 1, 2 or a multiple of 4 rows");
-    for (int r = 0; r < R; r += 4)
-      _mm_storeu_ps(out + r, hsum4(v[r], v[r + 1], v[r + 2], v[r + 3]));
-  }
+  static_assert(R % 4 == 0, "hsum_rows: a multiple of 4 rows");
+  for (int r = 0; r < R; r += 4)
+    _mm_storeu_ps(out + r, hsum4(v[r], v[r + 1], v[r + 2], v[r + 3]));
 }
 
 // {f[0] x4, f[1] x4}: the factors of two adjacent groups (or half blocks) for the lanes
