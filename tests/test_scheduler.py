@@ -153,6 +153,33 @@ def test_prefill_beside_decodes_is_capped_and_alone_takes_the_budget() -> None:
     assert counts(step(sched)) == {"b": 4, "c": 1, "d": 10}
 
 
+def test_prompt_beside_decodes_pays_for_its_attention_depth() -> None:
+    """context_token_cost: beside a decoding stream, each prompt position costs one plus
+    that much per position it attends to (itself and every earlier one), so chunks shrink
+    as the prompt gets deeper and the pause between the stream's tokens stays bounded;
+    alone, a prompt takes the whole budget by positions."""
+    sched = make_scheduler(num_blocks=128, budget=64)
+    sched.config = dataclasses.replace(sched.config, max_prefill_tokens_while_decoding=20,
+                                       context_token_cost=0.01)
+    b, c = make_request("b", 4, max_tokens=6), make_request("c", 120, max_tokens=1)
+    sched.add_request(b)
+    assert counts(step(sched)) == {"b": 4}
+    sched.add_request(c)
+    # Positions 1..18 cost 18 + 0.01 * 171 = 19.71 -> 20 (19 would cost 20.9 -> 21).
+    assert counts(step(sched)) == {"b": 1, "c": 18}
+    # Positions 19..33 cost 15 + 0.01 * 390 = 18.9 -> 19 (16 more: 20.24 -> 21).
+    assert counts(step(sched)) == {"b": 1, "c": 15}
+    chunks = [counts(step(sched)) for _ in range(3)]  # b's last three tokens
+    done = 33
+    for chunk in chunks:
+        n = chunk["c"]
+        paid = [1 + 0.01 * p for p in range(done + 1, done + n + 2)]  # n + 1 positions
+        assert sum(paid[:n]) <= 20 < sum(paid), (done, n)
+        done += n
+    assert [ch["c"] for ch in chunks] == sorted((ch["c"] for ch in chunks), reverse=True)
+    assert counts(step(sched)) == {"c": 120 - done}  # b finished: no one waits on c
+
+
 def test_budget_goes_to_running_requests_before_admission() -> None:
     """Decodes of running requests are paid for first; a waiting request gets what is left."""
     sched = make_scheduler(budget=2)

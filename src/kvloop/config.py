@@ -69,6 +69,12 @@ class ModelConfig:
         scoring a prompt token (its logits over the vocabulary) adds to its prefill."""
         return self.vocab_size * self.hidden_size / (self.num_layers * self.layer_matrix_params)
 
+    def attention_cost_ratio(self) -> float:
+        """What one earlier position a query attends to costs (QK and PV: two multiply-
+        adds per query element) as a share of a position's matrices. An upper bound for
+        sliding-window layers, which stop seeing positions past their window."""
+        return 2 * self.q_size / self.layer_matrix_params
+
     def num_params(self) -> int:
         """Parameters of the transformer (embedding counted once when tied)."""
         d, L = self.hidden_size, self.num_layers

@@ -3,7 +3,9 @@
 A token budget per step (`max_num_batched_tokens`) is spent first on running requests
 (one decode token each, or the next chunk of a prompt being prefilled), then on admitting
 waiting requests, whose prompts may be prefilled in chunks across several steps (shorter
-ones while other requests are decoding: `max_prefill_tokens_while_decoding`). When the
+ones while other requests are decoding: `max_prefill_tokens_while_decoding`, each position
+charged for the context it attends to, so a deep prompt's chunk is no longer a pause than
+a shallow one's). When the
 KV cache runs out of blocks, the lowest-priority, newest running request is preempted: its
 blocks are freed and it goes back to the front of the queue, to be recomputed later (its
 generated tokens are kept, so nothing is lost).
@@ -45,6 +47,11 @@ class SchedulerConfig:
     # is a pause between those streams' tokens, and a whole budget of prefill (2,048
     # positions: ~4 s on 2 cores) would be one. None: no cap beyond the budget.
     max_prefill_tokens_while_decoding: int | None = None
+    # In such a step, what a prompt position costs beyond its forward for each earlier
+    # position it attends to, in tokens of the budget (ModelConfig.attention_cost_ratio):
+    # at 4k tokens of context a position's attention outweighs its matrices, and a chunk
+    # charged by positions alone would stretch the pause with the prompt's depth.
+    context_token_cost: float = 0.0
 
 
 @dataclass
@@ -151,8 +158,8 @@ class Scheduler:
 
         # Prefill's share of a step that also carries decodes (see SchedulerConfig).
         cap = self.config.max_prefill_tokens_while_decoding
-        prefill_room = (budget if cap is None or not any(map(self._is_decode, self.running))
-                        else min(budget, cap))
+        beside_decodes = any(map(self._is_decode, self.running))
+        prefill_room = budget if cap is None or not beside_decodes else min(budget, cap)
 
         # 1. Running requests: a decode token, or the next chunk of an unfinished prefill.
         scheduled: list[Request] = []
@@ -161,7 +168,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             decode = self._is_decode(req)
-            n = self._chunk(req, budget if decode else max(0, min(budget, prefill_room)))
+            n = (self._chunk(req, budget) if decode
+                 else self._chunk(req, max(0, min(budget, prefill_room)), beside_decodes))
             if n == 0:  # a beam waiting for its siblings' step: nothing to run
                 i += 1
                 continue
@@ -177,7 +185,7 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted itself: the list shrank, i already points past it
             scheduled.append(req)
-            cost = self._cost(req, n)
+            cost = self._cost(req, n, beside_decodes and not decode)
             budget -= cost + k
             if not decode:
                 prefill_room -= cost
@@ -193,7 +201,7 @@ class Scheduler:
             if req.num_computed_tokens == 0 and req.params.prompt_logprobs is None:
                 prefix = self.kv.find_cached_prefix(req)
                 req.num_computed_tokens = len(prefix) * self.kv.block_size
-            n = self._chunk(req, min(budget, prefill_room))
+            n = self._chunk(req, min(budget, prefill_room), beside_decodes)
             if not self.kv.allocate(req, n, prefix, admitting=True):
                 req.num_computed_tokens = 0
                 break
@@ -203,7 +211,7 @@ class Scheduler:
                 req.metrics.num_cached_tokens = req.num_computed_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            cost = self._cost(req, n)
+            cost = self._cost(req, n, beside_decodes)
             budget -= cost
             prefill_room -= cost
             self._add_to_output(out, req, n)
@@ -278,18 +286,30 @@ class Scheduler:
         start = req.num_computed_tokens
         return max(0, min(start + n, req.num_prompt_tokens - 1) - start)
 
-    def _cost(self, req: Request, n: int) -> int:
-        """Budget the next `n` positions of `req` spend: one each, and the head's share
-        more for each prompt position scored."""
-        return n + math.ceil(self._scored(req, n) * self.config.scored_token_cost)
+    def _cost(self, req: Request, n: int, beside_decodes: bool = False) -> int:
+        """Budget the next `n` positions of `req` spend: one each, the head's share more
+        for each prompt position scored, and beside decoding streams, their attention's
+        share for each earlier position they see (positions start+1 .. start+n)."""
+        cost = n + self._scored(req, n) * self.config.scored_token_cost
+        if beside_decodes:
+            start = req.num_computed_tokens
+            cost += self.config.context_token_cost * (n * start + n * (n + 1) / 2)
+        return math.ceil(cost)
 
-    def _chunk(self, req: Request, budget: int) -> int:
+    def _chunk(self, req: Request, budget: int, beside_decodes: bool = False) -> int:
         """Positions of `req` to run within `budget`: as many as remain and fit (at least
-        one, so a budget smaller than one scored position still progresses)."""
+        one, so a budget smaller than one position's cost still progresses)."""
         n = min(req.num_tokens - req.num_computed_tokens, budget)
-        if self._scored(req, n) and self.config.scored_token_cost > 0:
-            n = max(1, min(n, math.floor(budget / (1 + self.config.scored_token_cost))))
-        return n
+        if n <= 1 or self._cost(req, n, beside_decodes) <= budget:
+            return n
+        lo, hi = 1, n  # cost is increasing in n: the largest n whose cost fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._cost(req, mid, beside_decodes) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _num_drafts(self, req: Request, n: int, budget: int) -> int:
         """Draft tokens to run after the `n` scheduled tokens: only behind a decode's last

@@ -370,7 +370,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(ec.max_num_seqs, ec.max_num_batched_tokens, ec.use_cache,
                             self.model_config.head_cost_ratio(),
-                            ec.max_prefill_tokens_while_decoding), self.kv)
+                            ec.max_prefill_tokens_while_decoding,
+                            self.model_config.attention_cost_ratio()), self.kv)
 
     def reset(self) -> None:
         """Forget every request and the prefix cache, keeping the model and the KV memory.
