@@ -49,7 +49,7 @@ browser:
 
 # KVLOOP_REQUIRE_KERNELS: a native-kernel build failure fails the kernel tests (no silent skip).
 test: dev lint browser
-	KVLOOP_REQUIRE_KERNELS=1 $(VENV)/bin/pytest -q
+	KVLOOP_REQUIRE_KERNELS=1 $(VENV)/bin/pytest -q --durations=40
 
 # llama.cpp is a peer in the table: pip compiles llama-cpp-python from the sdist (~11 min, once).
 # If that fails the table says "not installed" and the other engines are still measured.
