@@ -290,6 +290,24 @@ def test_too_many_threads_names_the_cpu_count(capsys: pytest.CaptureFixture[str]
     assert rc == 2 and f"this machine has {cpus} CPUs" in err
 
 
+def test_a_reader_that_goes_away_ends_the_command_quietly(tiny_model_dir: Path) -> None:
+    """`kvloop generate ... | head -c 1`: once the reader has closed the pipe, the next
+    write ends the command with status 1 and nothing on stderr (no BrokenPipeError
+    traceback, then or at exit)."""
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvloop.cli", "generate", PROMPT, "--model",
+         str(tiny_model_dir), "--kv-cache-memory", SMALL_KV, "--max-tokens", "1000",
+         "--ignore-eos"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdout.read(1)  # streaming has begun
+    proc.stdout.close()
+    err = proc.stderr.read().decode("utf-8")
+    assert proc.wait(timeout=120) == 1, err
+    assert err == ""
+
+
 def test_undecodable_prompt_bytes_exit_2_one_line(tmp_path: Path) -> None:
     """`kvloop generate $'abc\\xff'`: Python passes the byte on as a lone surrogate; the CLI
     names the byte and stops before loading anything (the model path does not exist)."""

@@ -156,6 +156,22 @@ def test_workers_are_reused_and_renders_stay_cheap() -> None:
     assert per_render < 0.01, per_render
 
 
+def test_a_prestarted_worker_serves_the_first_render() -> None:
+    """prestart() boots one worker in the background; a render asked for meanwhile waits
+    for it rather than starting a second process, and prestarting again is a no-op."""
+    pool = chat_template._WorkerPool(2)
+    try:
+        pool.prestart()
+        pool.prestart()
+        worker = pool.acquire()
+        assert pool._count == 1 and worker.proc.poll() is None
+        pool.release(worker, reuse=True)
+        pool.prestart()  # one is idle: nothing to start
+        assert pool._count == 1 and len(pool._idle) == 1
+    finally:
+        pool.close()
+
+
 # --- the server ---------------------------------------------------------------------------------
 def stream_gaps(url: str, model: str, stop: threading.Event, gaps: list[float]) -> None:
     """Greedy completion streams one after another until `stop`: the longest wait between

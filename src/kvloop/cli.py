@@ -14,6 +14,8 @@ script that piped a file in notices.
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import json
 import os
 import sys
@@ -196,9 +198,18 @@ def _read_text(path: str, flag: str) -> str:
         raise KvloopError(f"cannot read {flag} {path}: {e}") from None
 
 
+# Whether this process loaded a model itself (the one-shot path): see run().
+_engine_loaded = False
+
+
 def _make_llm(args: argparse.Namespace) -> Any:
+    from kvloop.loading.chat_template import prestart_worker
+
+    prestart_worker()  # it boots on the other core while torch imports
     from kvloop.engine.llm import LLM  # deferred: torch import is slow, --help stays fast
 
+    global _engine_loaded
+    _engine_loaded = True
     return LLM(args.model, **engine_options(args))
 
 
@@ -645,5 +656,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def run() -> NoReturn:
+    """The `kvloop` command. After a one-shot generate or chat, the output flushed and the
+    exit handlers run (tensor parallel ranks stopped, template workers closed), the process
+    ends without the interpreter's teardown: with torch loaded, destroying its modules and
+    libraries took ~0.35 s of a ~2.4 s `kvloop generate` (Zen 3), and nothing in it
+    matters to a process whose work is done. Other commands exit as usual."""
+    try:
+        code = main()
+    except BrokenPipeError:  # the reader went away (`kvloop generate ... | head`)
+        # Nothing more can be said to it; what is still buffered must not fail again at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 1
+    if _engine_loaded:
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError):
+                stream.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -40,6 +40,7 @@ from kvloop.engine.steps import Phase, StepObserver, seq_phases, step_record
 from kvloop.engine.structured import GrammarCompiler, LLMatcher
 from kvloop.errors import InvalidParamsError, ModelLoadError, PromptTooLongError
 from kvloop.kv_cache import BlockMap, KVCacheManager, blocks_for_sequence
+from kvloop.loading.chat_template import prestart_worker
 from kvloop.loading.layout_cache import LayoutCache, cache_dir
 from kvloop.loading.loader import Checkpoint, load_checkpoint
 from kvloop.loading.tokenizer import Tokenizer
@@ -235,6 +236,8 @@ class LLMEngine:
         # value) was measured to slow SDPA calls from ~15 us to ~8 ms for a while.
         if threads and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
+        if checkpoint is None:
+            prestart_worker()  # the template check below finds it booted
         self.checkpoint = checkpoint or load_checkpoint(model)
         self.model_config: ModelConfig = self.checkpoint.config
         self.tokenizer: Tokenizer = self.checkpoint.tokenizer

@@ -664,11 +664,37 @@ class _WorkerPool:
         self._size = size
         self._idle: list[_Worker] = []
         self._count = 0
+        self._starting = 0  # prestart()'s workers not yet ready: a render waits for them
         self._cond = threading.Condition()
+
+    def prestart(self) -> None:
+        """Start one worker in the background, if none is idle or starting: the first
+        render (the load-time check of a model's template) then finds it ready instead of
+        waiting ~0.1 s for a process to boot, the boot overlapping the caller's own work."""
+        with self._cond:
+            if self._idle or self._starting or self._count >= self._size:
+                return
+            self._count += 1
+            self._starting += 1
+
+        def boot() -> None:
+            try:
+                worker = _Worker()
+            except BaseException:  # a render that needs one starts it and reports why not
+                with self._cond:
+                    self._starting -= 1
+                self._forget()
+                return
+            with self._cond:
+                self._starting -= 1
+                self._idle.append(worker)
+                self._cond.notify()
+
+        threading.Thread(target=boot, name="kvloop-template-boot", daemon=True).start()
 
     def acquire(self) -> _Worker:
         with self._cond:
-            while not self._idle and self._count >= self._size:
+            while not self._idle and (self._starting or self._count >= self._size):
                 self._cond.wait()
             if self._idle:
                 return self._idle.pop()
@@ -713,6 +739,11 @@ def _pool() -> _WorkerPool:
             pool = _pools[os.getpid()] = _WorkerPool(TEMPLATE_WORKERS)
             atexit.register(pool.close)
         return pool
+
+
+def prestart_worker() -> None:
+    """Boot a render worker in the background now (see _WorkerPool.prestart)."""
+    _pool().prestart()
 
 
 def render_chat_template(source: str, context: Mapping[str, Any]) -> str:
