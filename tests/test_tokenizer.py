@@ -389,6 +389,66 @@ def test_gguf_sentencepiece_matches_transformers(arch: str):
         )
 
 
+class DictMerges:
+    """A MergesCache in memory: what was saved, and what load() answers."""
+
+    def __init__(self, pairs: list[list[int]] | None = None) -> None:
+        self.pairs, self.saves = pairs, 0
+
+    def load(self) -> list[list[int]] | None:
+        return self.pairs
+
+    def save(self, pairs: list[list[int]]) -> None:
+        self.pairs, self.saves = pairs, self.saves + 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma"])
+def test_derived_merges_are_kept_and_reused(arch: str) -> None:
+    """A vocabulary without merges derives them once and keeps them as token-id pairs; the
+    next build reads them (deriving nothing) and encodes alike. Kept pairs that do not fit
+    the vocabulary (another file's, a damaged cache) are derived again."""
+    md = sentencepiece_metadata(arch)
+    tokens = md["tokenizer.ggml.tokens"]
+    plain = Tokenizer.from_gguf_metadata(md)
+    cache = DictMerges()
+    first = Tokenizer.from_gguf_metadata(md, cache)
+    assert cache.saves == 1 and cache.pairs
+    assert ["h", "e"] in [[tokens[a], tokens[b]] for a, b in cache.pairs]
+    again = Tokenizer.from_gguf_metadata(md, cache)
+    assert cache.saves == 1  # read, not derived
+    for bad in ([[0, len(tokens)]], [[3]], [[-1, 2]]):
+        stale = DictMerges(bad)
+        rebuilt = Tokenizer.from_gguf_metadata(md, stale)
+        assert stale.saves == 1 and stale.pairs != bad
+        for text in SPM_TEXTS:
+            assert rebuilt.encode(text, parse_special=True) == plain.encode(text,
+                                                                              parse_special=True)
+    for text in SPM_TEXTS:
+        want = plain.encode(text, parse_special=True)
+        assert first.encode(text, parse_special=True) == want
+        assert again.encode(text, parse_special=True) == want
+
+
+def test_real_gemma_merges_come_from_the_layout_cache(real_gemma_path: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gemma 3's 515k derived merges are written beside the file's layouts on its first
+    load and read on the next (~1 s of its load), with the same encodings."""
+    from kvloop.loading import tokenizer as tokenizer_module
+    from kvloop.loading.loader import load_checkpoint
+
+    monkeypatch.setenv("KVLOOP_CACHE_DIR", str(tmp_path))
+    first = load_checkpoint(real_gemma_path).tokenizer
+    assert len(list((tmp_path / "layouts").glob("*.safetensors"))) == 1
+
+    def no_deriving(*args: Any) -> None:
+        raise AssertionError("merges derived again")
+
+    monkeypatch.setattr(tokenizer_module, "_derive_merges", no_deriving)
+    again = load_checkpoint(real_gemma_path).tokenizer
+    for text in SPM_TEXTS + ["The capital of France is", "Café naïve 你好 🤖"]:
+        assert again.encode(text, parse_special=True) == first.encode(text, parse_special=True)
+
+
 def test_gguf_sentencepiece_bos_and_byte_fallback():
     tok = Tokenizer.from_gguf_metadata(sentencepiece_metadata())
     assert tok.add_bos_token  # llama.cpp's default for SentencePiece vocabularies

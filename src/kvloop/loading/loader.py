@@ -8,6 +8,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -21,6 +22,7 @@ from kvloop.loading.default_model import (  # noqa: F401  (re-exported)
     default_model_path,
 )
 from kvloop.loading.gguf import GGUFFile, is_gguf
+from kvloop.loading.layout_cache import LayoutCache
 from kvloop.loading.tokenizer import Tokenizer
 from kvloop.models.base import config_dims
 from kvloop.models.registry import get_architecture
@@ -168,6 +170,29 @@ def _check_shapes(
             )
 
 
+class _LayoutMerges:
+    """A GGUF file's derived tokenizer merges (Tokenizer.MergesCache) in the layout cache,
+    keyed like its weight layouts by the file's identity: int32 pairs of token ids."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+
+    DERIVATION = 1  # bump when tokenizer._derive_merges gives other merges
+
+    def _cache(self) -> LayoutCache:
+        return LayoutCache(self._path, {"tokenizer merges": self.DERIVATION})
+
+    def load(self) -> list[list[int]] | None:
+        tensors = self._cache().load()
+        pairs = tensors.get("merges") if tensors is not None else None
+        if pairs is None or pairs.dim() != 2 or pairs.shape[1] != 2:
+            return None
+        return cast(list[list[int]], pairs.tolist())
+
+    def save(self, pairs: list[list[int]]) -> None:
+        self._cache().save({"merges": torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2)})
+
+
 def load_checkpoint(model: str | Path | None = None) -> Checkpoint:
     """Open a model: its config checked against limits and its tensors' shapes (from the
     headers), then its tokenizer (chat template tried under its limits). Weights load
@@ -197,7 +222,7 @@ def load_checkpoint(model: str | Path | None = None) -> Checkpoint:
     f.check_tensors()  # an unsupported type is named as such, not as a shape problem
     shapes = f.tensor_shapes()
     check_model(config, shapes, f.config_keys(), path.name, f.gguf_name)
-    tokenizer = Tokenizer.from_gguf_metadata(f.metadata)
+    tokenizer = Tokenizer.from_gguf_metadata(f.metadata, _LayoutMerges(path))
     return Checkpoint(name, path, config, tokenizer, lambda skip=(): f.tensors(config, skip),
                       lambda: f.int4_weights(config), lambda: f.block_weights(config),
                       f.quantized_linears(), frozenset(shapes))
