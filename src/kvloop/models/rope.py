@@ -44,19 +44,21 @@ class RotaryEmbedding(torch.nn.Module):
 
     def _build(self, max_positions: int) -> None:
         # The table covers the whole context the model declares (the native decoder reads it
-        # whole; the loader bounds that context). Built in slices, so that the peak is the
-        # table itself rather than about twice it in temporaries: it matters at 2**20
-        # positions. Each entry is computed exactly as in one pass.
-        dim = 2 * self.inv_freq.shape[0]
-        self.cos = torch.empty(max_positions, dim, dtype=self.inv_freq.dtype)  # [P, D]
-        self.sin = torch.empty(max_positions, dim, dtype=self.inv_freq.dtype)
+        # whole; the loader bounds that context), one row per position of the D/2 angles
+        # (rotate-half pairs element i with i + D/2 at one angle: a full [P, D] row repeats
+        # its halves; at Gemma 3's 32k positions of D = 256, twice, that was 64 MiB more).
+        # Built in slices, so that the peak is the table itself rather than about twice it
+        # in temporaries: it matters at 2**20 positions. Each entry is computed exactly as
+        # in one pass.
+        half = self.inv_freq.shape[0]
+        self.cos = torch.empty(max_positions, half, dtype=self.inv_freq.dtype)  # [P, D/2]
+        self.sin = torch.empty(max_positions, half, dtype=self.inv_freq.dtype)
         for start in range(0, max_positions, _BUILD_SLICE):
             t = torch.arange(start, min(start + _BUILD_SLICE, max_positions),
                              dtype=torch.float32)
             freqs = torch.outer(t, self.inv_freq)  # [slice, D/2]
-            emb = torch.cat((freqs, freqs), dim=-1)  # [slice, D]
-            self.cos[start:start + len(t)] = emb.cos()
-            self.sin[start:start + len(t)] = emb.sin()
+            self.cos[start:start + len(t)] = freqs.cos()
+            self.sin[start:start + len(t)] = freqs.sin()
 
     def scale_by(self, rope_freqs: torch.Tensor) -> None:
         """GGUF `rope_freqs`: per-frequency divisors llama.cpp stores for Llama-3 scaling."""
@@ -64,8 +66,10 @@ class RotaryEmbedding(torch.nn.Module):
         self._build(self.cos.shape[0])
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Once per step, shared by all layers: [T, 1, D] each."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """Once per step, shared by all layers: [T, 1, D] each (the halves repeated)."""
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, D/2]
+        return (torch.cat((cos, cos), dim=-1).unsqueeze(1),
+                torch.cat((sin, sin), dim=-1).unsqueeze(1))
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

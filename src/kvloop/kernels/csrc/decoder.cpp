@@ -30,7 +30,7 @@ void rms_norm(const float* x, const float* w, int64_t M, int64_t H, float eps, f
 }
 
 // Rotate-half rotary embedding in place on `heads` vectors of size D (HF layout: element
-// i pairs with i + D/2); cs, sn: the position's [D] cos / sin rows (halves duplicated).
+// i pairs with i + D/2, both at angle i); cs, sn: the position's [D/2] cos / sin rows.
 void rope(float* v, int64_t heads, int64_t D, const float* cs, const float* sn) {
   const int64_t half = D / 2;
   for (int64_t h = 0; h < heads; ++h) {
@@ -38,7 +38,7 @@ void rope(float* v, int64_t heads, int64_t D, const float* cs, const float* sn) 
     for (int64_t i = 0; i < half; ++i) {
       const float a = x[i], b = x[i + half];
       x[i] = a * cs[i] - b * sn[i];
-      x[i + half] = b * cs[i + half] + a * sn[i + half];
+      x[i + half] = b * cs[i] + a * sn[i];
     }
   }
 }
@@ -50,9 +50,9 @@ void check_vec(const at::Tensor& t, int64_t n, const char* what) {
 }
 
 void check_rope(const at::Tensor& cos, const at::Tensor& sin, int64_t D) {
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == D &&
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.dim() == 2 && cos.size(1) == D / 2 &&
                   sin.sizes() == cos.sizes() && sin.scalar_type() == at::kFloat,
-              "cos / sin must be float32 [max_positions, head_dim]");
+              "cos / sin must be float32 [max_positions, head_dim / 2]");
 }
 
 }  // namespace
@@ -288,7 +288,7 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
           rms_norm(row, L.q_norm.data_ptr<float>(), Hq, D, eps_, row);
           rms_norm(row + Hq * D, L.k_norm.data_ptr<float>(), Hkv, D, eps_, row + Hq * D);
         }
-        rope(row, Hq + Hkv, D, cos + pos[m] * D, sin + pos[m] * D);
+        rope(row, Hq + Hkv, D, cos + pos[m] * (D / 2), sin + pos[m] * (D / 2));
         std::memcpy(q + m * Hq * D, row, Hq * D * sizeof(float));
         for (int64_t kh = 0; kh < Hkv; ++kh) {  // fp32: a memcpy, as before the dtypes
           kv_store_row<T>(cache, 0, kh, lslot[m], row + (Hq + kh) * D);

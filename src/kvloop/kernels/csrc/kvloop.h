@@ -260,8 +260,9 @@ class Decoder {
  public:
   // embed: the embedding table as a weight layout ([vocab, hidden]: fp32, or a
   // checkpoint's blocks, whose rows are decoded as tokens look them up). cos / sin: rope
-  // table 0 ([max_positions, head_dim]). embed_scale multiplies the embedding rows (Gemma:
-  // sqrt(hidden)); final_softcap > 0: logits = cap * tanh(logits / cap).
+  // table 0 ([max_positions, head_dim / 2]: a position's angles). embed_scale multiplies
+  // the embedding rows (Gemma: sqrt(hidden)); final_softcap > 0: logits = cap * tanh(logits
+  // / cap).
   Decoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
           std::shared_ptr<QLinear> embed, at::Tensor cos, at::Tensor sin,
           at::Tensor final_norm, std::shared_ptr<QLinear> lm_head, double embed_scale = 1.0,
@@ -311,7 +312,7 @@ class Decoder {
   float eps_;
   float embed_scale_;
   double final_softcap_;
-  std::vector<at::Tensor> cos_, sin_;  // rope tables, [max_positions, head_dim] each
+  std::vector<at::Tensor> cos_, sin_;  // rope tables, [max_positions, head_dim / 2] each
   at::Tensor final_norm_;
   std::shared_ptr<QLinear> embed_, lm_head_;
   std::vector<Layer> layers_;
