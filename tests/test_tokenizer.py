@@ -445,7 +445,7 @@ def test_real_gemma_merges_come_from_the_layout_cache(real_gemma_path: Path, tmp
 
     monkeypatch.setattr(tokenizer_module, "_derive_merges", no_deriving)
     again = load_checkpoint(real_gemma_path).tokenizer
-    for text in SPM_TEXTS + ["The capital of France is", "Café naïve 你好 🤖"]:
+    for text in [*SPM_TEXTS, "The capital of France is", "Café naïve 你好 🤖"]:
         assert again.encode(text, parse_special=True) == first.encode(text, parse_special=True)
 
 
