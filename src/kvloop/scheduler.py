@@ -22,6 +22,7 @@ No tensors here (see batch.py for what the runner receives).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -302,14 +303,10 @@ class Scheduler:
         n = min(req.num_tokens - req.num_computed_tokens, budget)
         if n <= 1 or self._cost(req, n, beside_decodes) <= budget:
             return n
-        lo, hi = 1, n  # cost is increasing in n: the largest n whose cost fits
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._cost(req, mid, beside_decodes) <= budget:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        # The cost rises with the count: the counts 1..n whose cost fits are a prefix.
+        fits = bisect.bisect_right(range(1, n + 1), budget,
+                                   key=lambda m: self._cost(req, m, beside_decodes))
+        return max(1, fits)
 
     def _num_drafts(self, req: Request, n: int, budget: int) -> int:
         """Draft tokens to run after the `n` scheduled tokens: only behind a decode's last

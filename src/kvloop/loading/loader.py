@@ -3,6 +3,7 @@ in, a `Checkpoint` out: the config dataclass, a weight stream, and the tokenizer
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -174,23 +175,24 @@ class _LayoutMerges:
     """A GGUF file's derived tokenizer merges (Tokenizer.MergesCache) in the layout cache,
     keyed like its weight layouts by the file's identity: int32 pairs of token ids."""
 
+    DERIVATION = 1  # bump when tokenizer._derive_merges gives other merges
+
     def __init__(self, path: Path) -> None:
         self._path = path
 
-    DERIVATION = 1  # bump when tokenizer._derive_merges gives other merges
-
-    def _cache(self) -> LayoutCache:
+    @functools.cached_property
+    def _cache(self) -> LayoutCache:  # built once: its key reads and hashes the file's edges
         return LayoutCache(self._path, {"tokenizer merges": self.DERIVATION})
 
     def load(self) -> list[list[int]] | None:
-        tensors = self._cache().load()
+        tensors = self._cache.load()
         pairs = tensors.get("merges") if tensors is not None else None
         if pairs is None or pairs.dim() != 2 or pairs.shape[1] != 2:
             return None
         return cast(list[list[int]], pairs.tolist())
 
     def save(self, pairs: list[list[int]]) -> None:
-        self._cache().save({"merges": torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2)})
+        self._cache.save({"merges": torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2)})
 
 
 def load_checkpoint(model: str | Path | None = None) -> Checkpoint:
