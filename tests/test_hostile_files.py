@@ -182,13 +182,13 @@ def test_huge_context_fails_before_any_allocation(tmp_path: Path,
 
     path = write_model_gguf(tmp_path / "ctx.gguf", {"llama.context_length": 2**31 - 1})
     built: list[int] = []
-    real_build = rope.RotaryEmbedding._build
+    real_fill = rope.RotaryEmbedding._fill
 
-    def build(self: rope.RotaryEmbedding, n: int) -> None:
-        built.append(n)
-        real_build(self, n)
+    def fill(self: rope.RotaryEmbedding, start: int, end: int) -> None:
+        built.append(end)
+        real_fill(self, start, end)
 
-    monkeypatch.setattr(rope.RotaryEmbedding, "_build", build)
+    monkeypatch.setattr(rope.RotaryEmbedding, "_fill", fill)
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     with pytest.raises(ModelLoadError, match=r"llama\.context_length"):
         LLM(path, kv_cache_memory="4MiB")

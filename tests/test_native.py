@@ -268,7 +268,7 @@ def test_int8_weights_with_int16_activations(N: int, K: int) -> None:
         assert_linear_close(y, ref, f"M={M}")
         rounded = linear_reference(x, Q8, w, K, scales)
         assert (y - rounded).abs().max() > 100 * (y - ref).abs().max()
-    with pytest.raises(RuntimeError, match="int8-weight option"):
+    with pytest.raises(RuntimeError, match="option of int8 weights and stored blocks"):
         native_linear(F32, torch.randn(N, K), K, wide_acts=True)
 
 
@@ -577,6 +577,37 @@ def test_native_decode_matches_pytorch_tiny(tiny_dir: Path,
     for out in native:
         assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
     assert_same_greedy(native, ref, atol=1e-4)
+
+
+def test_rope_tables_grow_as_steps_reach_further(tiny_dir: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rope tables cover the positions steps have reached (8 at first here), grown in
+    place before a step reaches past them: the native decoder, which holds the tensors,
+    reads the grown rows. Its greedy tokens and logprobs equal the modules' with tables
+    built whole, and the grown tables equal a whole build bit for bit."""
+    from kvloop.models import rope
+
+    monkeypatch.setattr(rope, "INITIAL_POSITIONS", 8)
+    llm = LLM(tiny_dir, quantization="none", enable_prefix_caching=False, kv_cache_dtype="fp32")
+    assert llm.engine.runner.decoder is not None
+    tables = [m for m in llm.engine.model.modules() if isinstance(m, rope.RotaryEmbedding)]
+    assert tables and all(t.positions == 8 for t in tables)
+    prompts = random_prompts(PROMPT_LENS, llm.engine.model_config.vocab_size, seed=3)
+    grown = llm.generate(prompts, GREEDY)
+    assert GREEDY.max_tokens is not None
+    reach = max(PROMPT_LENS) + GREEDY.max_tokens - 1
+    assert all(reach <= t.positions < 2 * reach for t in tables)
+
+    monkeypatch.setattr(rope, "INITIAL_POSITIONS", 4096)
+    whole = LLM(tiny_dir, quantization="none", enable_prefix_caching=False,
+                kv_cache_dtype="fp32")
+    for t, w in zip(tables, (m for m in whole.engine.model.modules()
+                             if isinstance(m, rope.RotaryEmbedding)), strict=True):
+        assert w.positions == w.max_positions
+        assert torch.equal(t.cos, w.cos[: t.positions])
+        assert torch.equal(t.sin, w.sin[: t.positions])
+    use_pytorch_path(monkeypatch, whole.engine.runner)
+    assert_same_greedy(grown, whole.generate(prompts, GREEDY), atol=1e-4)
 
 
 @pytest.mark.parametrize(("quantization", "count", "atol"),

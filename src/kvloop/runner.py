@@ -19,6 +19,7 @@ from kvloop.models.attention import (
     flat_kv_index,
 )
 from kvloop.models.native import build_native_decoder, native_prefill_ready
+from kvloop.models.rope import RotaryEmbedding
 from kvloop.params import SamplingParams
 from kvloop.quant.kv import PagedKV, kv_bytes_per_row
 from kvloop.sampling import Sampler, SamplingRow
@@ -149,6 +150,9 @@ class ModelRunner:
         self.native_max_rows = NATIVE_MAX_ROWS
         self.native_prefill = self.decoder is not None and native_prefill_ready(model)
         self._generators: dict[str, torch.Generator] = {}
+        # The rope tables grow with the positions steps reach (RotaryEmbedding.reserve).
+        self._ropes = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
+        self._rope_positions = min((r.positions for r in self._ropes), default=0)
 
     def reset(self) -> None:
         """Drop all per-request state (the engine forgot its requests)."""
@@ -289,6 +293,11 @@ class ModelRunner:
     def _run_model(self, sched: SchedulerOutput) -> tuple[torch.Tensor, int]:
         """The forward over the step's tokens: [T, hidden] and T."""
         self.copy_blocks(sched.blocks_to_copy)
+        reach = max((s.context_len for s in sched.decodes + sched.prefills), default=0)
+        if reach > self._rope_positions:
+            for rope in self._ropes:
+                rope.reserve(reach)
+            self._rope_positions = min((r.positions for r in self._ropes), default=reach)
         if self._use_native(sched):
             return self._native_step(sched), sched.num_tokens
         return self._forward(sched)

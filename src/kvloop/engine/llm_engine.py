@@ -167,6 +167,7 @@ def load_model(checkpoint: Checkpoint, pack: bool = True, quantization: str = "n
     holds one layout: with the native decoder (`native`, for an architecture it runs) the
     fp32 layers keep their dense weight, which its kernels and GEMMs read; otherwise
     (`pack`) oneDNN's prepacked one, which the modules' forward reads."""
+    release_free_heap()  # what building the tokenizer freed, before the weights arrive
     model = create_model(checkpoint.config)  # uninitialised: no memory is touched yet
     quantization = resolve_quantization(quantization, checkpoint)
     # Layers that are ready-made are installed first and the loader skips their tensors,

@@ -225,6 +225,7 @@ def load_checkpoint(model: str | Path | None = None) -> Checkpoint:
     shapes = f.tensor_shapes()
     check_model(config, shapes, f.config_keys(), path.name, f.gguf_name)
     tokenizer = Tokenizer.from_gguf_metadata(f.metadata, _LayoutMerges(path))
+    f.drop_vocabulary()
     return Checkpoint(name, path, config, tokenizer, lambda skip=(): f.tensors(config, skip),
                       lambda: f.int4_weights(config), lambda: f.block_weights(config),
                       f.quantized_linears(), frozenset(shapes))

@@ -9,6 +9,8 @@ import torch
 from kvloop.config import ModelConfig
 
 _BUILD_SLICE = 2**14  # positions per slice when the cos/sin table is built
+# Positions the tables cover at first; they grow (`reserve`) as sequences get longer.
+INITIAL_POSITIONS = 4096
 
 
 def inv_frequencies(config: ModelConfig) -> torch.Tensor:  # [head_dim / 2]
@@ -37,36 +39,57 @@ def inv_frequencies(config: ModelConfig) -> torch.Tensor:  # [head_dim / 2]
 
 
 class RotaryEmbedding(torch.nn.Module):
+    """cos and sin of each position's D/2 angles, [P, D/2] tables (rotate-half pairs
+    element i with i + D/2 at one angle: a full [P, D] row would repeat its halves).
+
+    The tables cover the positions sequences have reached, not the whole context the model
+    declares: Gemma 3's two tables for 32k positions of D = 256 took 64 MiB, a tenth of the
+    engine's memory, for contexts few requests reach. `reserve` grows them in place
+    (`resize_`), so that whoever holds these tensors (the native decoder) reads the new rows
+    at its next step; the runner reserves before each step."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.inv_freq = inv_frequencies(config)
-        self._build(config.max_position_embeddings)
+        self.max_positions = config.max_position_embeddings
+        half = self.inv_freq.shape[0]
+        self.cos = torch.empty(0, half, dtype=self.inv_freq.dtype)  # [P, D/2]
+        self.sin = torch.empty(0, half, dtype=self.inv_freq.dtype)
+        self._fill(0, min(self.max_positions, INITIAL_POSITIONS))
 
-    def _build(self, max_positions: int) -> None:
-        # The table covers the whole context the model declares (the native decoder reads it
-        # whole; the loader bounds that context), one row per position of the D/2 angles
-        # (rotate-half pairs element i with i + D/2 at one angle: a full [P, D] row repeats
-        # its halves; at Gemma 3's 32k positions of D = 256, twice, that was 64 MiB more).
+    @property
+    def positions(self) -> int:
+        """The positions the tables cover now."""
+        return int(self.cos.shape[0])
+
+    def reserve(self, positions: int) -> None:
+        """Tables for positions 0..positions - 1 at least: at least doubled when they grow,
+        within the model's context (a position beyond it is the caller's error)."""
+        have = self.positions
+        if positions > have:
+            self._fill(have, min(max(positions, 2 * have), self.max_positions))
+
+    def _fill(self, start: int, end: int) -> None:
         # Built in slices, so that the peak is the table itself rather than about twice it
         # in temporaries: it matters at 2**20 positions. Each entry is computed exactly as
-        # in one pass.
-        half = self.inv_freq.shape[0]
-        self.cos = torch.empty(max_positions, half, dtype=self.inv_freq.dtype)  # [P, D/2]
-        self.sin = torch.empty(max_positions, half, dtype=self.inv_freq.dtype)
-        for start in range(0, max_positions, _BUILD_SLICE):
-            t = torch.arange(start, min(start + _BUILD_SLICE, max_positions),
-                             dtype=torch.float32)
+        # in one pass (an element-wise product, then cos / sin).
+        self.cos.resize_(end, self.inv_freq.shape[0])
+        self.sin.resize_(end, self.inv_freq.shape[0])
+        for lo in range(start, end, _BUILD_SLICE):
+            t = torch.arange(lo, min(lo + _BUILD_SLICE, end), dtype=torch.float32)
             freqs = torch.outer(t, self.inv_freq)  # [slice, D/2]
-            self.cos[start:start + len(t)] = freqs.cos()
-            self.sin[start:start + len(t)] = freqs.sin()
+            self.cos[lo:lo + len(t)] = freqs.cos()
+            self.sin[lo:lo + len(t)] = freqs.sin()
 
     def scale_by(self, rope_freqs: torch.Tensor) -> None:
         """GGUF `rope_freqs`: per-frequency divisors llama.cpp stores for Llama-3 scaling."""
         self.inv_freq = self.inv_freq / rope_freqs.float()
-        self._build(self.cos.shape[0])
+        self._fill(0, self.positions)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Once per step, shared by all layers: [T, 1, D] each (the halves repeated)."""
+        if positions.numel():
+            self.reserve(int(positions.max()) + 1)
         cos, sin = self.cos[positions], self.sin[positions]  # [T, D/2]
         return (torch.cat((cos, cos), dim=-1).unsqueeze(1),
                 torch.cat((sin, sin), dim=-1).unsqueeze(1))
