@@ -7,6 +7,7 @@ kernels over those layouts equal a reference matmul; "auto" resolves per checkpo
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any, cast
 
@@ -495,7 +496,7 @@ def test_large_tensors_are_read_in_slices_of_rows(kind: T,
     w = stored(raw, kind, rows, cols, done=lambda lo, hi: spans.append((lo, hi)))
     assert torch.equal(BlockLinear(w).dequantize(), oracle(raw, kind, rows, cols))
     assert spans[0][0] == 0 and spans[-1][1] == raw.nbytes
-    assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
     assert len(spans) > 1 or kind == T.Q4_1  # Q4_1 rows are moved whole (Q4Rows)
 
 
