@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvloop.errors import KvloopError, ModelLoadError
@@ -395,8 +396,8 @@ class DictMerges:
     def __init__(self, pairs: list[list[int]] | None = None) -> None:
         self.pairs, self.saves = pairs, 0
 
-    def load(self) -> list[list[int]] | None:
-        return self.pairs
+    def load(self) -> np.ndarray | None:
+        return None if self.pairs is None else np.asarray(self.pairs)
 
     def save(self, pairs: list[list[int]]) -> None:
         self.pairs, self.saves = pairs, self.saves + 1

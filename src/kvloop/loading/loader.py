@@ -9,8 +9,8 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
+import numpy as np
 import torch
 
 from kvloop.config import ModelConfig
@@ -184,12 +184,10 @@ class _LayoutMerges:
     def _cache(self) -> LayoutCache:  # built once: its key reads and hashes the file's edges
         return LayoutCache(self._path, {"tokenizer merges": self.DERIVATION})
 
-    def load(self) -> list[list[int]] | None:
+    def load(self) -> np.ndarray | None:
         tensors = self._cache.load()
         pairs = tensors.get("merges") if tensors is not None else None
-        if pairs is None or pairs.dim() != 2 or pairs.shape[1] != 2:
-            return None
-        return cast(list[list[int]], pairs.tolist())
+        return None if pairs is None else pairs.numpy()
 
     def save(self, pairs: list[list[int]]) -> None:
         self._cache.save({"merges": torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2)})
