@@ -33,9 +33,8 @@ from kvloop.kernels.linear import (
     quantize_acts16_reference,
     quantize_acts_reference,
 )
-from kvloop.quant import BlockLinear
-from kvloop.quant.layout import Q8B, GroupWeights
-from kvloop.quant.stored import STORED_KINDS, StoredRows, decode
+from kvloop.quant.layout import GroupWeights
+from kvloop.quant.stored import STORED_KINDS, StoredRows
 from test_block_formats import F16_FIELDS, oracle, random_blocks
 from test_native import LINEAR_RTOL, _gen, _layouts, assert_linear_close, q4_scales_mins
 
@@ -154,7 +153,7 @@ GEMM_LAYOUTS = ["q8", "q4", "q4f", "q8b-g16", "q8b-min-f32", "q8b-g32-f16",
 def _gemm_layer(mod: Any, layout: str, N: int, K: int, g: torch.Generator,
                 wide: bool = False) -> tuple[Any, Any]:
     """(native layer with a bias, the bias) in one of GEMM_LAYOUTS; wide: int16
-    activations (8-bit layouts and stored blocks)."""
+    activations (8-bit layouts only)."""
     bias = torch.randn(N, generator=g)
     if layout in _layouts(8, 32, g):
         kind, w, sc = _layouts(N, K, g)[layout]
@@ -163,7 +162,7 @@ def _gemm_layer(mod: Any, layout: str, N: int, K: int, g: torch.Generator,
     raw = random_blocks(fmt, N, K, seed=int(fmt), scale=0.01)
     _normal_scales(raw, fmt, seed=int(fmt))
     kind, weight, _ = StoredRows(torch.from_numpy(raw), fmt, K).native()
-    return mod.QLinear(kind, weight, K, None, bias, wide), bias
+    return mod.QLinear(kind, weight, K, None, bias, False), bias
 
 
 def _gemm_against_row_kernels(lin: Any, x: torch.Tensor, what: str) -> torch.Tensor:
@@ -266,22 +265,20 @@ def test_int8_gemm_at_the_extremes_of_codes_and_activations(isa: str, layout: st
         assert_linear_close(y, (xd @ dense.T + bias.double()).float(), what)
 
 
-@pytest.mark.parametrize("layout", ["q8", "q8b-g16", "q8b-min-f32", "q8b-g32-f16",
-                                    *(f.name for f in STORED_KINDS)])
+@pytest.mark.parametrize("layout", ["q8", "q8b-g16", "q8b-min-f32", "q8b-g32-f16"])
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512vnni"])
 def test_int8_gemm_with_int16_activations_equals_the_head_kernel(isa: str, layout: str) -> None:
     """A head's int16 activations (wide_acts) in the GEMM: their low and high bytes as two
     panels, the sums recombined exactly, equal to the head's row kernel and to the float64
-    reference over the int16 activations. The avx2 build refuses them for 8-bit codes
-    (which need signed activations, which the split bytes are not), not for stored blocks
-    (Q6_K heads: codes of at most 6 bits)."""
+    reference over the int16 activations. The avx2 build refuses them (its 8-bit codes
+    need signed activations, which the split bytes are not)."""
     mod = _module(isa)
     N, K = 13, 4096
     g = _gen(len(layout) * 5 + len(isa))
     lin, bias = _gemm_layer(mod, layout, N, K, g, wide=True)
     assert lin.wide_acts
     if not lin.gemm_supported:
-        assert isa == "avx2" and layout.startswith("q8")
+        assert isa == "avx2"
         with pytest.raises(RuntimeError, match="int8 GEMM"):
             lin.set_int8_gemm(8)
         return
@@ -293,35 +290,6 @@ def test_int8_gemm_with_int16_activations_equals_the_head_kernel(isa: str, layou
         q, d = quantize_acts16_reference(x)
         xd = q.double() * d.double()
         assert_linear_close(y, (xd @ dense.T + bias.double()).float(), what)
-
-
-@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512vnni"])
-def test_a_q6_k_head_read_as_stored_gives_what_its_decoded_codes_gave(isa: str) -> None:
-    """A Q6_K head read as its blocks (int16 activations: stored_blocks.cpp's
-    row_stored_wide) gives the logits its codes and factors as Q8B (quant.stored.decode,
-    how such heads were held) gave: bit for bit on the avx2 and scalar builds, which sum
-    in the same order; within summation-order error on avx512vnni, whose Q8B kernel takes
-    32 weights a step. At the row kernels' row counts (4 activation rows a pass, then one
-    by one; batch 1 several weight rows a pass)."""
-    mod = _module(isa)
-    fmt = gguf.GGMLQuantizationType.Q6_K
-    N, K = 37, 1024
-    raw = random_blocks(fmt, N, K, seed=11, scale=0.01)
-    _normal_scales(raw, fmt, seed=11)
-    kind, weight, _ = StoredRows(torch.from_numpy(raw), fmt, K).native()
-    head = mod.QLinear(kind, weight, K, None, None, True)
-    k8, w8, k8_in, sc8, _ = BlockLinear(decode(raw, fmt, N, K)).native_spec()
-    assert k8 == Q8B
-    codes = mod.QLinear(k8, w8, k8_in, sc8, None, True)
-    assert head.weight_bytes < 0.7 * codes.weight_bytes  # 6.6 bits a weight, not 10
-    g = _gen(5)
-    for M in (1, 2, 3, 4, 5, 7):
-        x = torch.randn(M, K, generator=g) * 3
-        y, ref = head.forward(x), codes.forward(x)
-        if isa == "avx512vnni":
-            assert_linear_close(y, ref, f"{isa} M={M}")
-        else:
-            assert torch.equal(y, ref), f"{isa} M={M}: {(y - ref).abs().max()}"
 
 
 def test_int8_gemm_runs_a_stack_of_formats() -> None:

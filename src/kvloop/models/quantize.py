@@ -22,8 +22,8 @@ from kvloop.quant import (
     Int8Linear,
     StackedLinear,
 )
-from kvloop.quant.layout import WIDE_ACTS_KINDS
-from kvloop.quant.stored import Weights, cat
+from kvloop.quant.layout import Q8B
+from kvloop.quant.stored import StoredRows, Weights, cat
 
 log = logging.getLogger(__name__)
 
@@ -112,9 +112,9 @@ def use_stored_blocks(model: CausalLM, source: Mapping[str, Weights]) -> set[str
     StackedLinear of the parts, each in its own layout, where some part is read as
     stored (kvloop.quant.stored.cat: q/k Q4_K with v Q6_K, q/k Q5_0 with v Q8_0), else
     one layout that holds every part exactly (GroupWeights.cat); where none can, or where
-    a part is stored dense (F32/F16/BF16), the layer stays fp32. The head takes int16
-    activations (see _attach_native) in its layout as stored too (Q6_K in Q4_K_M files:
-    6.6 bits a weight, where its codes and fp32 factors took 10). Returns the tensor names
+    a part is stored dense (F32/F16/BF16), the layer stays fp32. The head takes
+    int16 activations (see _attach_native), which the kernels take only with 8-bit codes:
+    a head stored as K-quant blocks is held as codes and scales. Returns the tensor names
     it took (the embedding's not among them: the lookup still reads it), so that it can
     run before the weights are loaded and the loader skips them.
 
@@ -131,6 +131,8 @@ def use_stored_blocks(model: CausalLM, source: Mapping[str, Weights]) -> set[str
         if not isinstance(lin, Linear) or not all(n in source for n in names):
             return
         w = cat([source[n] for n in names])
+        if is_head and isinstance(w, StoredRows):
+            w = w.groups()
         if w is None:
             log.info("%s: formats with no common exact layout, kept fp32", names)
             return
@@ -194,7 +196,7 @@ def _attach_native(layer: nn.Module, is_head: bool) -> None:
     if kernels.available() and layer.native is None:
         kind, weight, k, scales, bias = layer.native_spec()
         layer.native = kernels.native_linear(kind, weight, k, scales, bias,
-                                             wide_acts=is_head and kind in WIDE_ACTS_KINDS)
+                                             wide_acts=is_head and kind == Q8B)
 
 
 def quantized_layers(model: CausalLM) -> dict[str, torch.Tensor]:

@@ -25,9 +25,6 @@ import torch
 F32, Q8, Q4, Q4F, Q8B = 0, 1, 2, 3, 4
 STORED = {"Q4_K": 5, "Q5_K": 6, "Q6_K": 7, "Q5_0": 8, "Q5_1": 9}
 GROUP = 32
-# The kinds whose kernels also take int16 activations (the output head's): integer codes
-# of at most 8 bits widen to int16 and dot in vpmaddwd. 4-bit ones (Q4, Q4F) do not.
-WIDE_ACTS_KINDS = frozenset({Q8, Q8B, *STORED.values()})
 
 
 def pack_q4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:

@@ -153,8 +153,13 @@ class StoredRows:
         return StoredRows(self.raw[perm].contiguous(), self.fmt, self.in_features)
 
     def groups(self) -> GroupWeights:
-        """The same weights as codes and group scales (exact)."""
-        return decode(self.raw.numpy(), self.fmt, *self.shape)
+        """The same weights as codes and group scales (exact), decoded a slice of rows at a
+        time (a K-quant head's 128k rows whole made about twice its codes in temporaries)."""
+        rows, cols = self.shape
+        b = self.raw.numpy()
+        if rows == 0:
+            return decode(b, self.fmt, rows, cols)
+        return _decode_in_slices(b, self.fmt, rows, cols, _slices(b), lambda lo, hi: None)
 
     def dequantize(self) -> torch.Tensor:  # [N, K] fp32, the gguf package's values
         return self.groups().dequantize()
@@ -230,8 +235,7 @@ def stored(raw: np.ndarray, kind: gguf.GGMLQuantizationType, rows: int, cols: in
     if cols % block or rows * cols == 0:
         return decode(raw, kind, rows, cols)
     b = np.asarray(raw, dtype=np.uint8).reshape(rows, cols // block * size)
-    step = max(1, SLICE_BYTES // b.shape[1])
-    spans = [(r, min(r + step, rows)) for r in range(0, rows, step)]
+    spans = _slices(b)
 
     def read(lo: int, hi: int) -> None:
         if done is not None:
@@ -248,6 +252,20 @@ def stored(raw: np.ndarray, kind: gguf.GGMLQuantizationType, rows: int, cols: in
         if q4 is not None:
             read(0, rows)
             return q4
+    return _decode_in_slices(b, kind, rows, cols, spans, read)
+
+
+def _slices(b: np.ndarray) -> list[tuple[int, int]]:
+    """[rows, row bytes] -> the row ranges of about SLICE_BYTES each."""
+    rows = b.shape[0]
+    step = max(1, SLICE_BYTES // max(1, b.shape[1]))
+    return [(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+
+def _decode_in_slices(b: np.ndarray, kind: gguf.GGMLQuantizationType, rows: int, cols: int,
+                      spans: list[tuple[int, int]],
+                      read: Callable[[int, int], None]) -> GroupWeights:
+    """`decode` of [rows, row bytes] blocks a slice of rows at a time, into one result."""
     out: GroupWeights | None = None
     for lo, hi in spans:
         part = decode(b[lo:hi], kind, hi - lo, cols)

@@ -916,9 +916,8 @@ QLinear::QLinear(int64_t kind_, at::Tensor weight_, int64_t in_features_,
   TORCH_CHECK(kind_ >= 0 && kind_ < kNumWeightKinds,
               "weight kind must be 0 (fp32), 1 (int8), 2 (int4), 3 (int4, fp32 scales), "
               "4 (int8 codes, group scales) or 5-9 (GGUF Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 blocks)");
-  TORCH_CHECK(!wide_acts_ || kind_ == 1 || kind_ == 4 ||
-                  is_stored(static_cast<WeightKind>(kind_)),
-              "int16 activations are an option of int8 weights and stored blocks");
+  TORCH_CHECK(!wide_acts_ || kind_ == 1 || kind_ == 4,
+              "int16 activations are an int8-weight option");
   TORCH_CHECK(weight.dim() == 2, "weight must be 2-D");
   out_features = weight.size(0);
   const bool packed = kind == WeightKind::Q4 || kind == WeightKind::Q4F || is_stored(kind);

@@ -337,94 +337,13 @@ void row_stored(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, 
   for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c];
 }
 
-// ---- against int16 activations (wide_acts: the output head) ----
-//
-// A head stored as blocks (Q6_K in Q4_K_M files, often the tied embedding) is read as
-// stored, as the other layers are: 6.6 bits a weight where its codes as Q8B with fp32
-// factors per 16 took 10 (Gemma 3's 262k-row table: 131 MiB read per token, not 200).
-// The arithmetic is linear.cpp's row_wide over the same codes and factors: per 16
-// weights, codes (u - shift, widened to int16) . q16 in int32 (vpmaddwd), times the
-// factor in fp32, blocks alternating two accumulators; then d16, then the min terms
-// (mn_g x d16 sum(q16) of group g). On AVX2 that is row_wide<C, GroupScales<SUB>>'s
-// order exactly, so a Q6_K head gives the logits its Q8B decoding gave, bit for bit.
-
-// Weight row n against int16 activation rows m0..m0+C.
-template <int C, WeightKind K>
-void row_stored_wide(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n,
-                     int64_t m0, float* Y) {
-  using T = Traits<K>;
-  constexpr int64_t G = T::QK / kGroup, S = T::QK / T::SUB;
-  constexpr int kShift = kCodeShift<K>;
-  constexpr bool kMin = kShift == 0;  // Q4_K, Q5_K, Q5_1: w = s u + mn
-  const int64_t Kd = A.K, nb = Kd / kGroup, blocks = Kd / T::QK;
-  const uint8_t* row = W + n * blocks * T::BYTES;
-  float out[C], extra[C];
-  for (int c = 0; c < C; ++c) out[c] = extra[c] = 0.f;
-#ifdef __AVX2__
-  __m256 acc[2][C];
-  for (int c = 0; c < C; ++c) acc[0][c] = acc[1][c] = _mm256_setzero_ps();
-#endif
-  for (int64_t bi = 0; bi < blocks; ++bi) {
-    const uint8_t* b = row + bi * T::BYTES;
-    const int64_t g0 = bi * G;
-    float s[S], mn[S];
-    block_factors<K>(b, s, mn);
-    if constexpr (kMin)
-      for (int c = 0; c < C; ++c)
-        for (int64_t g = 0; g < G; ++g) extra[c] += mn[g] * A.s16[(m0 + c) * nb + g0 + g];
-#ifdef __AVX2__
-    for_each_group<K>(b, [&](int64_t g, __m256i u) {
-      const __m256i w = _mm256_sub_epi8(u, _mm256_set1_epi8(kShift));
-      const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
-      const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
-      const __m256 f0 = _mm256_set1_ps(T::SUB == 16 ? s[2 * g] : s[g]);
-      // The block's parity along the row (Q5_0 / Q5_1: one group a block).
-      __m256* a = acc[(g0 + g) & 1];
-      for (int c = 0; c < C; ++c) {
-        const auto* x = reinterpret_cast<const __m256i*>(A.q16.data() + (m0 + c) * Kd +
-                                                         (g0 + g) * kGroup);
-        const __m256i p0 = _mm256_madd_epi16(w0, _mm256_loadu_si256(x));
-        const __m256i p1 = _mm256_madd_epi16(w1, _mm256_loadu_si256(x + 1));
-        if constexpr (T::SUB == kGroup) {
-          a[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p0, p1)), f0, a[c]);
-        } else {  // the halves' factors differ: two multiply-adds, one chain
-          a[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), f0, a[c]);
-          a[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(s[2 * g + 1]), a[c]);
-        }
-      }
-    });
-#else
-    uint8_t u[T::QK];
-    unpack_codes<K>(b, u);
-    for (int c = 0; c < C; ++c)
-      for (int64_t h = 0; h < T::QK / 16; ++h) {  // per 16 weights, as row_wide's
-        const int16_t* x = A.q16.data() + (m0 + c) * Kd + g0 * kGroup + h * 16;
-        int32_t dot = 0;
-        for (int64_t j = 0; j < 16; ++j)
-          dot += (int32_t(u[h * 16 + j]) - kShift) * int32_t(x[j]);
-        out[c] += float(dot) * s[h * 16 / T::SUB];
-      }
-#endif
-  }
-#ifdef __AVX2__
-  for (int c = 0; c < C; ++c) out[c] = hsum(_mm256_add_ps(acc[0][c], acc[1][c]));
-#endif
-  for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c] * A.d16[m0 + c] + extra[c];
-}
-
 template <WeightKind K>
 void rows_t(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m1, int64_t n,
             float* y) {
   const uint8_t* W = L.weight.data_ptr<uint8_t>();
-  const int64_t N = L.out_features;
   int64_t m = m0;
-  if (L.wide_acts) {
-    for (; m + kCols <= m1; m += kCols) row_stored_wide<kCols, K>(W, A, N, n, m, y);
-    for (; m < m1; ++m) row_stored_wide<1, K>(W, A, N, n, m, y);
-    return;
-  }
-  for (; m + kCols <= m1; m += kCols) row_stored<kCols, K>(W, A, N, n, m, y);
-  for (; m < m1; ++m) row_stored<1, K>(W, A, N, n, m, y);
+  for (; m + kCols <= m1; m += kCols) row_stored<kCols, K>(W, A, L.out_features, n, m, y);
+  for (; m < m1; ++m) row_stored<1, K>(W, A, L.out_features, n, m, y);
 }
 
 template <WeightKind K>
