@@ -489,3 +489,73 @@ def test_allowed_mask_matches_bit_by_bit_reference(vocab):
     assert unpack_bitmask(bits[2:], vocab)[0].nonzero().flatten().tolist() == [32, 34]
     # Every row allowing everything: nothing changes.
     assert torch.equal(apply_allowed_mask(logits, torch.tensor([1]), bits[1:2]), logits)
+
+
+# --- the native argmax + logsumexp (csrc/sampling.cpp) ---------------------------------------
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512vnni"])
+def test_native_argmax_logsumexp_gives_torchs_answers(isa: str) -> None:
+    """The kernel's first maximum is torch.argmax's and its logsumexp torch's (float64's
+    within a few units in the last place), across the chunks it cuts rows into (16384
+    logits): widths on either side of a chunk, ties between chunks (the first wins), NaN
+    (the first NaN; lse NaN), +inf (lse +inf), a row of -inf (index 0, lse -inf), and
+    logits far below the maximum (their exp underflows to 0)."""
+    from kvloop.kernels import build
+
+    if isa not in build.cpu_isas():
+        pytest.skip(f"this CPU cannot run the {isa} build")
+    mod = build.native_module() if isa == build.native_module().compiled_isa() \
+        else build._build(isa)
+    g = torch.Generator().manual_seed(7)
+    for b, v in [(1, 1), (2, 7), (3, 16383), (2, 16384), (4, 16385), (5, 49152),
+                 (1, 262144), (33, 40000)]:
+        x = torch.randn(b, v, generator=g) * 8
+        ids, lse = mod.argmax_logsumexp(x)
+        assert torch.equal(ids, x.argmax(dim=-1)), (isa, b, v)
+        ref = torch.logsumexp(x.double(), dim=-1)
+        assert ((lse.double() - ref).abs() <= 4e-7 * ref.abs().clamp(min=1)).all(), (isa, b, v)
+    x = torch.randn(6, 40000, generator=g)
+    x[0, 17] = x[0, 30000] = float("nan")
+    x[1, 5] = x[1, 39999] = float("inf")
+    x[2] = float("-inf")
+    x[3, 20000] = x[3, 30000] = x[3].max() + 1  # a tie across chunks
+    x[4, 100:] = -1e30  # exp of these underflows
+    x[5, 0] = float("nan")
+    ids, lse = mod.argmax_logsumexp(x)
+    assert torch.equal(ids, x.argmax(dim=-1))
+    torch.testing.assert_close(lse, torch.logsumexp(x, dim=-1), equal_nan=True)
+    with pytest.raises(RuntimeError, match=r"float32 \[B, V\]"):
+        mod.argmax_logsumexp(x.double())
+
+
+def test_native_sampler_equals_pytorch_sampler() -> None:
+    """A Sampler on the native argmax + logsumexp picks what the PyTorch one picks, with
+    the same log-probs (to fp32 rounding), for plain greedy rows, greedy rows whose
+    penalties change the argmax, and sampled rows beside them."""
+    from kvloop import kernels
+
+    if not kernels.available():
+        pytest.skip("native kernels unavailable")
+    logits = rand_logits(4, 50000, seed=3)
+    batches = [
+        [row(temperature=0.0) for _ in range(4)],
+        [row(temperature=0.0, prompt=[int(logits[i].argmax())], repetition_penalty=5.0,
+             logprobs=3) for i in range(4)],
+        [row(temperature=0.0), row(temperature=0.8, seed=1), row(temperature=0.0, top_k=5,
+                                                                  seed=2),
+         row(temperature=1.0, top_p=0.9, seed=3)],
+    ]
+    for rows in batches:
+        for r in rows:
+            if r.generator is not None:
+                r.generator.manual_seed(11)
+        want = Sampler(native=False)(logits, rows)
+        for r in rows:
+            if r.generator is not None:
+                r.generator.manual_seed(11)
+        got = Sampler(native=True)(logits, rows)
+        assert torch.equal(got.token_ids, want.token_ids)
+        torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=2e-6)
+        assert [None if t is None else [i for i, _ in t] for t in got.top_logprobs] == \
+            [None if t is None else [i for i, _ in t] for t in want.top_logprobs]

@@ -136,7 +136,7 @@ class ModelRunner:
             for cache in self._kv_by_slot:
                 cache.zero_(block_size)
             self.kv_caches = [self._kv_by_slot[j] for j in slot_of_layer]
-        self.sampler = Sampler()
+        self.sampler = Sampler(native=use_kernels and kernels.available())
         # The native paged-attention kernel (built once, cached); the PyTorch gather + SDPA
         # path is the fallback and the reference it is tested against.
         self.use_kernels = use_cache and use_kernels and kernels.available()

@@ -21,7 +21,7 @@ _CSRC = Path(__file__).parent / "csrc"
 # One extension module from all kernel sources (kvloop.h declares what they share).
 _SOURCES = [_CSRC / f for f in
             ("bindings.cpp", "paged_attention.cpp", "linear.cpp", "stored_blocks.cpp",
-              "gemm.cpp", "decoder.cpp")]
+              "gemm.cpp", "decoder.cpp", "sampling.cpp")]
 _lock = threading.Lock()
 _module: Any = None
 _tried = False

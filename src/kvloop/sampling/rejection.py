@@ -70,8 +70,10 @@ def verify_drafts(sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow
         per_seq.append(gained)
         start += len(d) + 1
 
-    lps, tops = logprobs_of(logits[chosen_rows], torch.tensor(chosen_ids),
-                            [rows[i] for i in chosen_rows])
+    chosen_logits = logits[chosen_rows]  # [C, V]
+    lps, tops = logprobs_of(chosen_logits, torch.tensor(chosen_ids),
+                            [rows[i] for i in chosen_rows],
+                            torch.logsumexp(chosen_logits, dim=-1))
     lp_list = lps.tolist()
     out: list[list[VerifiedToken]] = []
     j = 0

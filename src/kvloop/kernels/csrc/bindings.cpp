@@ -41,6 +41,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decoder's rounding)",
         py::arg("kv_cache"), py::arg("kv_scales"), py::arg("slot_mapping"), py::arg("k"),
         py::arg("v"), Release());
+  m.def("argmax_logsumexp", &kvloop::argmax_logsumexp,
+        "logits [B, V] fp32 -> (first argmax [B] int64, logsumexp [B] fp32)",
+        py::arg("logits"), Release());
   m.def("compiled_with_avx2", &compiled_with_avx2);
   m.def("compiled_isa", &compiled_isa);
   m.def("quantize_acts", &kvloop::quantize_acts_tensor,

@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "kv_dtype.h"
@@ -65,6 +66,10 @@ KVView kv_view(const at::Tensor& cache, const std::optional<at::Tensor>& scales)
 // rounded as the decoder writes them (kv_dtype.h). For tests against kvloop.quant.kv.
 void kv_store(const at::Tensor& kv_cache, const std::optional<at::Tensor>& kv_scales,
               const at::Tensor& slot_mapping, const at::Tensor& k, const at::Tensor& v);
+
+// Per row of float32 logits [B, V]: the first maximum (torch.argmax's answer) and the
+// logsumexp, in one pass over each chunk of the row (csrc/sampling.cpp).
+std::tuple<at::Tensor, at::Tensor> argmax_logsumexp(const at::Tensor& logits);
 
 // ---- weight-only quantized / fp32 linear layers (linear.cpp) ----
 
