@@ -66,6 +66,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_int8_gemm", &QLinear::set_int8_gemm, py::arg("min_rows"))
       .def_property_readonly("gemm_supported", &QLinear::gemm_supported)
       .def_property_readonly("eight_bit_codes", &QLinear::eight_bit_codes)
+      .def_property_readonly("gemm_pairs", &QLinear::gemm_pairs)
       .def_readonly("gemm_min_rows", &QLinear::gemm_min_rows)
       .def("forward", &QLinear::forward, Release())
       .def_readonly("out_features", &QLinear::out_features)

@@ -29,6 +29,14 @@
 // low byte (0-255) and h + 128 the high one, each dotted with the codes; the sums combine
 // exactly in int32 (|32 x 127 x 32767| < 2^31) as 256 (hi - 128 sum(c)) + lo. Twice the dot
 // products of int8 activations, and still no weight decoded to floats.
+//
+// On AVX2 without VNNI, 8-bit codes cannot meet those byte panels (2 x 255 x 128 overflows
+// vpmaddubsw's int16 pairs), so a head with 8-bit codes (Q8_0 files' tables, int8 heads)
+// takes its int16 activations as they are (kPairs, gemm_pairs): panels of 32-bit lanes
+// holding two activations of a row, each pair of codes widened to int16 and broadcast,
+// one vpmaddwd advancing 8 rows' sums by 2 weights, exact in int32. Its row kernel reads
+// every activation row once per weight row, from L2: at 32 rows of Gemma 3's 262k-row
+// head that traffic, not the arithmetic, set its time.
 
 #include "kvloop.h"
 
@@ -207,27 +215,65 @@ void unpack_row(const QLinear& L, int64_t n, int64_t sub, int8_t* codes, float* 
   code_corrections(codes, K, sub, corr);
 }
 
+// Row n of an 8-bit-code layer (Q8, Q8B) as tile_pairs takes it: its codes widened to
+// int16 straight from the weights, scales [K / sub] and mins [K / 32]; no corrections (int16
+// activations in pairs carry no offset).
+void unpack_row_pairs(const QLinear& L, int64_t n, int64_t sub, int16_t* c16, float* sc,
+                      float* mn) {
+  const int64_t K = L.in_features;
+  const int8_t* w = L.weight.data_ptr<int8_t>() + n * K;
+  int64_t k = 0;
+#ifdef __AVX2__
+  for (; k + 16 <= K; k += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c16 + k),
+                        _mm256_cvtepi8_epi16(
+                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k))));
+#endif
+  for (; k < K; ++k) c16[k] = w[k];
+  if (L.kind == WeightKind::Q8) {
+    std::fill(sc, sc + K / sub, L.scales.data_ptr<float>()[n]);
+    return;
+  }
+  TORCH_CHECK(L.kind == WeightKind::Q8B, "int16 pairs are for 8-bit codes");
+  const int64_t ng = K / L.group, width = L.f32_scales ? 4 : 2;
+  const uint8_t* S = static_cast<const uint8_t*>(L.scales.data_ptr()) +
+                     n * (L.has_min ? 2 : 1) * ng * width;
+  for (int64_t g = 0; g < ng; ++g) {
+    sc[g] = L.f32_scales ? scale_at<true>(S, g) : scale_at<false>(S, g);
+    if (L.has_min)
+      mn[g] = L.f32_scales ? scale_at<true>(S + ng * 4, g) : scale_at<false>(S + ng * 2, g);
+  }
+}
+
 // A thread's unpacked weight rows: kR rows of codes, scales, mins and corrections.
 struct RowTile {
   int64_t K = 0, sub = kGroup;
+  bool pairs = false;          // codes16 instead of codes and corr (kPairs)
   std::vector<int8_t> codes;   // [kR, K]
+  std::vector<int16_t> codes16;  // [kR, K] the codes widened, for kPairs
   std::vector<float> sc, mn;   // [kR, K / sub], [kR, K / 32]
   std::vector<int32_t> corr;   // [kR, K / sub]: -128 * sum of the group's codes
 
-  void reserve(int64_t K_, int64_t sub_) {
+  void reserve(int64_t K_, int64_t sub_, bool pairs_ = false) {
     K = K_;
     sub = sub_;
+    pairs = pairs_;
     codes.resize(kR * K);
+    codes16.resize(pairs ? kR * K : 0);
     sc.resize(kR * (K / sub));
     mn.resize(kR * (K / kGroup));
     corr.resize(kR * (K / sub));
   }
   const int8_t* c(int r) const { return codes.data() + r * K; }
+  const int16_t* c16(int r) const { return codes16.data() + r * K; }
   const float* s(int r) const { return sc.data() + r * (K / sub); }
   const float* m(int r) const { return mn.data() + r * (K / kGroup); }
   const int32_t* x(int r) const { return corr.data() + r * (K / sub); }
 
   void load(const QLinear& L, int64_t n, int r) {
+    if (pairs)
+      return unpack_row_pairs(L, n, sub, codes16.data() + r * K, sc.data() + r * (K / sub),
+                              mn.data() + r * (K / kGroup));
     unpack_row(L, n, sub, codes.data() + r * K, sc.data() + r * (K / sub),
                mn.data() + r * (K / kGroup), corr.data() + r * (K / sub));
   }
@@ -266,6 +312,75 @@ inline __m256i dot4_signed(__m256i acc, __m256i as, __m256i w_abs, __m256i w) {
                              _mm256_set1_epi16(1)));
 }
 #endif
+
+// tile's kPairs variant (see the top): int16 activations in pairs, no offset to correct.
+template <int64_t SUB, bool kMin, int R, int P>
+void tile_pairs(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* out) {
+  const int64_t K = w.K, nsub = K / SUB;
+  const int64_t pbytes = 2 * K * kLanes, pfloats = K / kGroup * kLanes;
+  const uint8_t* A = a.pq.data() + p0 * pbytes;
+  const float* D = a.pd.data() + p0 * pfloats;
+  const float* S = a.ps.data() + p0 * pfloats;
+#ifdef __AVX2__
+  __m256 acc[R][P];
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) acc[r][p] = _mm256_setzero_ps();
+  for (int64_t gs = 0; gs < nsub; ++gs) {
+    __m256i ia[R][P];
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < P; ++p) ia[r][p] = _mm256_setzero_si256();
+    const uint8_t* ag = A + gs * SUB * kLanes * 2;
+    for (int64_t j = 0; j < SUB / 2; ++j) {  // weights gs * SUB + 2j, + 1
+      __m256i av[P];
+      for (int p = 0; p < P; ++p)
+        av[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + p * pbytes + 32 * j));
+      for (int r = 0; r < R; ++r) {
+        int32_t two;
+        std::memcpy(&two, w.c16(r0 + r) + gs * SUB + 2 * j, 4);
+        const __m256i wb = _mm256_set1_epi32(two);
+        for (int p = 0; p < P; ++p)
+          ia[r][p] = _mm256_add_epi32(ia[r][p], _mm256_madd_epi16(wb, av[p]));
+      }
+    }
+    const int64_t g = gs * SUB / kGroup;
+    __m256 dv[P], sv[P];
+    for (int p = 0; p < P; ++p) {
+      dv[p] = _mm256_loadu_ps(D + p * pfloats + g * kLanes);
+      if constexpr (kMin) sv[p] = _mm256_loadu_ps(S + p * pfloats + g * kLanes);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 f = _mm256_set1_ps(w.s(r0 + r)[gs]);
+      for (int p = 0; p < P; ++p)
+        acc[r][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][p]), _mm256_mul_ps(f, dv[p]),
+                                    acc[r][p]);
+      if constexpr (kMin) {
+        const __m256 mv = _mm256_set1_ps(w.m(r0 + r)[g]);
+        for (int p = 0; p < P; ++p) acc[r][p] = _mm256_fmadd_ps(mv, sv[p], acc[r][p]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p) _mm256_storeu_ps(out + (r * P + p) * kLanes, acc[r][p]);
+#else
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p)
+      for (int64_t l = 0; l < kLanes; ++l) {
+        float total = 0.f;
+        for (int64_t gs = 0; gs < nsub; ++gs) {
+          int32_t dot = 0;
+          for (int64_t k = gs * SUB; k < (gs + 1) * SUB; ++k) {
+            int16_t q;
+            std::memcpy(&q, A + p * pbytes + ((k / 2) * kLanes + l) * 4 + 2 * (k % 2), 2);
+            dot += int32_t(q) * int32_t(w.c16(r0 + r)[k]);
+          }
+          const int64_t g = gs * SUB / kGroup;
+          total += float(dot) * (w.s(r0 + r)[gs] * D[p * pfloats + g * kLanes + l]);
+          if constexpr (kMin) total += w.m(r0 + r)[g] * S[p * pfloats + g * kLanes + l];
+        }
+        out[(r * P + p) * kLanes + l] = total;
+      }
+#endif
+}
 
 // Rows r0..r0+R of the tile against panels p0..p0+P: out[r][p][lane]. kWide: int16
 // activations, pq their low bytes and pqh their high ones; kSigned8: 8-bit codes on AVX2
@@ -394,7 +509,18 @@ void scatter(const float* out, int64_t M, int64_t N, int64_t n0, int64_t p0, flo
       }
 }
 
-template <int64_t SUB, bool kMin, bool kWide, bool kSigned8, int kSums>
+// tile, or tile_pairs for kPairs.
+template <int64_t SUB, bool kMin, bool kWide, bool kSigned8, int kSums, bool kPairs, int R,
+          int P>
+void run_tile(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* out) {
+  if constexpr (kPairs) {
+    tile_pairs<SUB, kMin, R, P>(w, r0, a, p0, out);
+  } else {
+    tile<SUB, kMin, kWide, kSigned8, kSums, R, P>(w, r0, a, p0, out);
+  }
+}
+
+template <int64_t SUB, bool kMin, bool kWide, bool kSigned8, int kSums, bool kPairs = false>
 void gemm_t(const QLinear& L, const QuantizedActs& a, float* y) {
   constexpr int kTileP = kWide ? kPW : kP;
   const int64_t M = a.M, N = L.out_features, K = L.in_features;
@@ -411,7 +537,7 @@ void gemm_t(const QLinear& L, const QuantizedActs& a, float* y) {
     const int64_t c1 = std::min(panels, c0 + chunk);
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       thread_local RowTile w;
-      w.reserve(K, SUB);
+      w.reserve(K, SUB, kPairs);
       float out[kR * kP * kLanes];
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t n0 = t * kR;
@@ -428,17 +554,17 @@ void gemm_t(const QLinear& L, const QuantizedActs& a, float* y) {
         if (rows == kR) {
           int64_t p = c0;
           for (; p + kTileP <= c1; p += kTileP) {
-            tile<SUB, kMin, kWide, kSigned8, kSums, kR, kTileP>(w, 0, a, p, out);
+            run_tile<SUB, kMin, kWide, kSigned8, kSums, kPairs, kR, kTileP>(w, 0, a, p, out);
             scatter<kR, kTileP>(out, M, N, n0, p, y);
           }
           for (; p < c1; ++p) {
-            tile<SUB, kMin, kWide, kSigned8, kSums, kR, 1>(w, 0, a, p, out);
+            run_tile<SUB, kMin, kWide, kSigned8, kSums, kPairs, kR, 1>(w, 0, a, p, out);
             scatter<kR, 1>(out, M, N, n0, p, y);
           }
         } else {
           for (int r = 0; r < rows; ++r)
             for (int64_t p = c0; p < c1; ++p) {
-              tile<SUB, kMin, kWide, kSigned8, kSums, 1, 1>(w, r, a, p, out);
+              run_tile<SUB, kMin, kWide, kSigned8, kSums, kPairs, 1, 1>(w, r, a, p, out);
               scatter<1, 1>(out, M, N, n0 + r, p, y);
             }
         }
@@ -451,6 +577,17 @@ void gemm_t(const QLinear& L, const QuantizedActs& a, float* y) {
 // (f.sums: a power of two, found from kSums up). Int16 sums only on the plain vpmaddubsw
 // path: kSigned8 has no room for them, and int16 activations (kWide) come with 8-bit codes
 // only (Q8, Q8B heads), whose f.sums is 1 anyway.
+// gemm_t for a layer with 8-bit codes taking int16 activations in pairs (kPairs).
+void gemm_pairs(const GemmFormat& f, const QLinear& L, const QuantizedActs& a, float* y) {
+  if (f.sub == 16) {
+    gemm_t<16, false, true, false, 1, true>(L, a, y);
+  } else if (f.has_min) {
+    gemm_t<kGroup, true, true, false, 1, true>(L, a, y);
+  } else {
+    gemm_t<kGroup, false, true, false, 1, true>(L, a, y);
+  }
+}
+
 template <bool kWide, bool kSigned8, int kSums = 1>
 void gemm_for(const GemmFormat& f, const QLinear& L, const QuantizedActs& a, float* y) {
   if constexpr (kMaddubs && !kWide && !kSigned8 && kSums < 8) {
@@ -520,8 +657,33 @@ void interleave_acts(QuantizedActs& a) {
       [&](int64_t m, int64_t g) { return a.s[m * nb + g]; });
 }
 
-void interleave_acts16(QuantizedActs& a) {
+void interleave_acts16(QuantizedActs& a, bool pairs) {
   const int64_t K = a.K, nb = K / kGroup;
+  if (pairs) {  // [panel][K / 2][lane]: q16[m, 2 k2] | q16[m, 2 k2 + 1] << 16
+    const int64_t M = a.M, panels = (M + kLanes - 1) / kLanes;
+    a.pq.resize(panels * 2 * K * kLanes);
+    a.pqh.clear();
+    a.pd.resize(panels * nb * kLanes);
+    a.ps.resize(panels * nb * kLanes);
+    at::parallel_for(0, panels, 4, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        uint8_t* dst = a.pq.data() + p * 2 * K * kLanes;
+        for (int64_t l = 0; l < kLanes; ++l) {
+          const int64_t m = p * kLanes + l;
+          for (int64_t k2 = 0; k2 < K / 2; ++k2) {
+            uint32_t two = 0;  // rows past M: activations 0
+            if (m < M) std::memcpy(&two, a.q16.data() + m * K + 2 * k2, 4);
+            std::memcpy(dst + (k2 * kLanes + l) * 4, &two, 4);
+          }
+          for (int64_t g = 0; g < nb; ++g) {
+            a.pd[(p * nb + g) * kLanes + l] = m < M ? a.d16[m] : 0.f;
+            a.ps[(p * nb + g) * kLanes + l] = m < M ? a.s16[m * nb + g] : 0.f;
+          }
+        }
+      }
+    });
+    return;
+  }
   fill_panels(
       a, true,
       [&](int64_t m, int64_t k4, int hi) {
@@ -541,12 +703,14 @@ void interleave_acts16(QuantizedActs& a) {
 void gemm_int8(const QLinear& L, const QuantizedActs& a, float* y) {
   TORCH_CHECK(L.gemm_supported(), "this layer's format does not run in the int8 GEMM");
   const size_t panel_bytes = (a.M + kLanes - 1) / kLanes * a.K * kLanes;
-  TORCH_CHECK(a.K == L.in_features && a.pq.size() == panel_bytes &&
-                  (!L.wide_acts || a.pqh.size() == panel_bytes),
+  const bool pairs = L.gemm_pairs();
+  TORCH_CHECK(a.K == L.in_features && a.pq.size() == (pairs ? 2 : 1) * panel_bytes &&
+                  (!L.wide_acts || a.pqh.size() == (pairs ? 0 : panel_bytes)),
               "the int8 GEMM needs activations quantized and interleaved for it");
   const GemmFormat f = format_of(L);
+  if (pairs) return gemm_pairs(f, L, a, y);
   if constexpr (kMaddubs) {
-    if (f.signed8) return gemm_for<false, true>(f, L, a, y);  // never wide: gemm_supported
+    if (f.signed8) return gemm_for<false, true>(f, L, a, y);  // int8 activations
   }
   if (L.wide_acts) return gemm_for<true, false>(f, L, a, y);
   gemm_for<false, false>(f, L, a, y);
@@ -565,10 +729,11 @@ bool QLinear::gemm_supported() const {
                        [](const auto& p) { return p->gemm_supported(); });
   if (kind == WeightKind::F32 || kind == WeightKind::Stack) return false;
   if (kind == WeightKind::Q8B && has_min && group != kGroup) return false;
-  // vpmaddubsw: 8-bit codes dot with signed activations (see the top), which a head's
-  // int16 activations, split into an unsigned low byte and a high one, are not.
-  if (kMaddubs && eight_bit_codes() && wide_acts) return false;
   return true;
+}
+
+bool QLinear::gemm_pairs() const {
+  return kMaddubs && wide_acts && eight_bit_codes();
 }
 
 void QLinear::set_int8_gemm(int64_t min_rows) {

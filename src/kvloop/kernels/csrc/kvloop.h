@@ -183,6 +183,9 @@ struct QLinear {
   // Whether its codes use all 8 bits (Q8, Q8B; stacks: any part), which dot slower in the
   // int8 GEMM without VNNI (kvloop.dispatch starts them there at more rows).
   bool eight_bit_codes() const;
+  // Whether the int8 GEMM takes this layer's int16 activations as int16 (vpmaddwd against
+  // its codes widened) rather than split into bytes: 8-bit codes on AVX2 without VNNI.
+  bool gemm_pairs() const;
   void set_int8_gemm(int64_t min_rows);  // see `gemm_min_rows`; 0 turns it off
   // Rows n0..n1 of the weights as the kernels decode them (w = scale * code + min, fp32),
   // rounded to bf16 (round to nearest even, as torch's .to(bfloat16)) unless fp32 out.
@@ -221,8 +224,10 @@ void code_corrections(const int8_t* codes, int64_t K, int64_t sub, int32_t* corr
 
 // The panels of `a` (QuantizedActs::pq, pd, ps) from its q, d and s.
 void interleave_acts(QuantizedActs& a);
-// The same from its int16 activations (q16, d16, s16): pq and pqh, pd, ps.
-void interleave_acts16(QuantizedActs& a);
+// The same from its int16 activations (q16, d16, s16): pq and pqh, pd, ps. `pairs`: the
+// layout of the int16 path instead (QLinear::gemm_pairs): pq [K / 2][kGemmLanes] 32-bit
+// lanes, each two int16 activations of its row (k, k + 1); pqh empty.
+void interleave_acts16(QuantizedActs& a, bool pairs = false);
 // y[M, N] = x W^T for a layer whose gemm_supported(), from activations quantized and
 // interleaved for it (no bias).
 void gemm_int8(const QLinear& L, const QuantizedActs& a, float* y);

@@ -1253,7 +1253,7 @@ void QLinear::apply(const float* x, int64_t M, QuantizedActs& acts, float* y) co
   if (gemm_min_rows > 0 && M >= gemm_min_rows && !batched) {
     if (wide_acts) {
       quantize_acts16(x, M, in_features, acts);
-      interleave_acts16(acts);
+      interleave_acts16(acts, gemm_pairs());
     } else {
       quantize_acts(x, M, in_features, acts);
       interleave_acts(acts);
