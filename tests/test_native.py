@@ -619,8 +619,10 @@ def test_native_steps_large_batches_match_pytorch(tiny_model_dir: Path, quantiza
     # (steps of >= BF16_MIN_ROWS rows, where quantized layers take their bf16 path on CPUs
     # with AVX512-BF16), fp32 with 64 (the engine's most; prefill steps of more than 64
     # tokens run oneDNN's fp32 GEMM). The workspace grows and shrinks with the batches.
+    # A budget that prefills every prompt in one step, so that all of them then decode
+    # together (each prompt's chunk stays within the native step's).
     llm = LLM(tiny_model_dir, quantization=quantization, enable_prefix_caching=False,
-              kv_cache_dtype="fp32")
+              kv_cache_dtype="fp32", max_num_batched_tokens=4096)
     runner = llm.engine.runner
     assert runner.decoder is not None and runner.native_prefill
     lens = [*(PROMPT_LENS * 12)[: count - 2], 3, 30]

@@ -39,8 +39,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "(default 64MiB; the pool never exceeds --kv-cache-memory)")
     g.add_argument("--threads", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences per batch")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="token budget per step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=1024,
+                   help="token budget per step (default 1024: the native step's largest "
+                        "prefill chunk)")
     g.add_argument("--max-prefill-tokens-while-decoding", type=int, default=128, metavar="N",
                    help="prompt positions a step may run while streams are decoding: the "
                         "longest pause a long prompt puts between their tokens (default 128)")

@@ -37,7 +37,7 @@ from kvloop.request import Request, RequestStatus
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 1024
     use_cache: bool = True
     # What a prompt position scored for prompt log-probs costs beyond its forward, in
     # tokens of the budget (the head over the vocabulary: ModelConfig.head_cost_ratio), so

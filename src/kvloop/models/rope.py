@@ -10,7 +10,7 @@ from kvloop.config import ModelConfig
 
 _BUILD_SLICE = 2**14  # positions per slice when the cos/sin table is built
 # Positions the tables cover at first; they grow (`reserve`) as sequences get longer.
-INITIAL_POSITIONS = 4096
+INITIAL_POSITIONS = 1024
 
 
 def inv_frequencies(config: ModelConfig) -> torch.Tensor:  # [head_dim / 2]

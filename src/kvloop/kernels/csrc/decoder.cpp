@@ -266,8 +266,11 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
     for (int64_t i = 0; i < M * H; ++i) x[i] *= embed_scale_;
 
   const int64_t qkv_n = (Hq + 2 * Hkv) * D;
-  float *h = ws.h.data(), *qkv = ws.qkv.data(), *delta = ws.delta.data(), *q = ws.q.data(),
-        *o = ws.o.data();
+  float *h = ws.h.data(), *delta = ws.delta.data();
+  // The attention's buffers in the scratch: qkv [M, qkv_n], q and o [M, Hq * D].
+  float* qkv = ws.scratch.data_ptr<float>();
+  float* q = qkv + M * qkv_n;
+  float* o = q + M * Hq * D;
 
   for (size_t li = 0; li < layers_.size(); ++li) {
     const Layer& L = layers_[li];
@@ -303,8 +306,9 @@ at::Tensor Decoder::forward(const at::Tensor& token_ids_, const at::Tensor& posi
     // MLP block.
     rms_norm(x, L.mlp_norm.data_ptr<float>(), M, H, eps_, h);
     const int64_t I = L.down->in_features;
-    const auto gu = ws.gu.narrow(0, 0, M * 2 * I).view({M, 2 * I});
-    auto act = ws.act.narrow(0, 0, M * I).view({M, I});
+    // The MLP's in the same scratch (the attention's are dead by now).
+    const auto gu = ws.scratch.narrow(0, 0, M * 2 * I).view({M, 2 * I});
+    auto act = ws.scratch.narrow(0, M * 2 * I, M * I).view({M, I});
     L.gate_up->apply(h, M, ws.acts, gu.data_ptr<float>());
     // act(gate) * up through ATen's vectorised activations (the ops the PyTorch path
     // uses, so both paths round alike); a scalar exp here cost ~7 ms a step at 32 rows.
@@ -327,11 +331,9 @@ Decoder::Workspace& Decoder::workspace(int64_t rows) const {
     ws_.x.resize(rows * H);
     ws_.h.resize(rows * H);
     ws_.delta.resize(rows * H);
-    ws_.qkv.resize(rows * (num_heads_ + 2 * num_kv_heads_) * head_dim_);
-    ws_.q.resize(rows * qd);
-    ws_.o.resize(rows * qd);
-    ws_.gu = at::empty({rows * 2 * max_inter_}, at::TensorOptions().dtype(at::kFloat));
-    ws_.act = at::empty({rows * max_inter_}, at::TensorOptions().dtype(at::kFloat));
+    const int64_t attention = (num_heads_ + 2 * num_kv_heads_) * head_dim_ + 2 * qd;
+    ws_.scratch = at::empty({rows * std::max(attention, 3 * max_inter_)},
+                            at::TensorOptions().dtype(at::kFloat));
     ws_.rows = rows;
   }
   return ws_;
