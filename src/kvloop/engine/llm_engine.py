@@ -198,6 +198,7 @@ def load_model(checkpoint: Checkpoint, pack: bool = True, quantization: str = "n
             cache.save(quantized_layers(model))
     if pack and not (native and native_supported(model)):
         model.pack_weights()  # whatever stayed fp32
+    checkpoint.release()  # every tensor is copied or decoded: the file's pages can go
     model.eval()
     return model
 
