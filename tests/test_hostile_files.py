@@ -536,7 +536,7 @@ def test_limits_render_a_rich_template_exactly_like_the_plain_sandbox() -> None:
     import jinja2.ext
     import jinja2.sandbox
 
-    from kvloop.loading.chat_template import _raise_exception, _strftime_now, _tojson
+    from kvloop.loading.template_sandbox import _raise_exception, _strftime_now, _tojson
 
     plain_env = jinja2.sandbox.ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
@@ -571,7 +571,7 @@ def test_a_message_that_is_not_an_object_is_invalid_params() -> None:
 def test_str_format_is_checked_on_jinja_versions_that_pass_it_to_call() -> None:
     """jinja < 3.1.5 hands the bound str.format to Environment.call (newer ones wrap it at
     attribute access): both paths are checked."""
-    from kvloop.loading.chat_template import _check_str_call
+    from kvloop.loading.template_sandbox import _check_str_call
 
     with pytest.raises(TemplateLimitError, match="field width"):
         _check_str_call("{:>2000000000}".format, (1,), {})
