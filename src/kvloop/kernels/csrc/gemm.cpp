@@ -313,6 +313,31 @@ inline __m256i dot4_signed(__m256i acc, __m256i as, __m256i w_abs, __m256i w) {
 }
 #endif
 
+#ifdef __AVX2__
+// acc[r][p] += sub-block gs's integer sums ia[r][p] (8 activation rows each) in floats: times
+// the weight row's scale and each activation row's, plus the min term where there is one.
+template <int64_t SUB, bool kMin, int R, int P>
+inline void scale_sums(const RowTile& w, int r0, int64_t gs, const float* D, const float* S,
+                       int64_t pfloats, const __m256i (&ia)[R][P], __m256 (&acc)[R][P]) {
+  const int64_t g = gs * SUB / kGroup;
+  __m256 dv[P], sv[P];
+  for (int p = 0; p < P; ++p) {
+    dv[p] = _mm256_loadu_ps(D + p * pfloats + g * kLanes);
+    if constexpr (kMin) sv[p] = _mm256_loadu_ps(S + p * pfloats + g * kLanes);
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m256 f = _mm256_set1_ps(w.s(r0 + r)[gs]);
+    for (int p = 0; p < P; ++p)
+      acc[r][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][p]), _mm256_mul_ps(f, dv[p]),
+                                  acc[r][p]);
+    if constexpr (kMin) {
+      const __m256 mv = _mm256_set1_ps(w.m(r0 + r)[g]);
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm256_fmadd_ps(mv, sv[p], acc[r][p]);
+    }
+  }
+}
+#endif
+
 // tile's kPairs variant (see the top): int16 activations in pairs, no offset to correct.
 template <int64_t SUB, bool kMin, int R, int P>
 void tile_pairs(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* out) {
@@ -342,22 +367,7 @@ void tile_pairs(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, fl
           ia[r][p] = _mm256_add_epi32(ia[r][p], _mm256_madd_epi16(wb, av[p]));
       }
     }
-    const int64_t g = gs * SUB / kGroup;
-    __m256 dv[P], sv[P];
-    for (int p = 0; p < P; ++p) {
-      dv[p] = _mm256_loadu_ps(D + p * pfloats + g * kLanes);
-      if constexpr (kMin) sv[p] = _mm256_loadu_ps(S + p * pfloats + g * kLanes);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256 f = _mm256_set1_ps(w.s(r0 + r)[gs]);
-      for (int p = 0; p < P; ++p)
-        acc[r][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][p]), _mm256_mul_ps(f, dv[p]),
-                                    acc[r][p]);
-      if constexpr (kMin) {
-        const __m256 mv = _mm256_set1_ps(w.m(r0 + r)[g]);
-        for (int p = 0; p < P; ++p) acc[r][p] = _mm256_fmadd_ps(mv, sv[p], acc[r][p]);
-      }
-    }
+    scale_sums<SUB, kMin, R, P>(w, r0, gs, D, S, pfloats, ia, acc);
   }
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) _mm256_storeu_ps(out + (r * P + p) * kLanes, acc[r][p]);
@@ -453,22 +463,7 @@ void tile(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* o
       for (int r = 0; r < R; ++r)
         for (int p = 0; p < P; ++p)
           ia[r][p] = _mm256_add_epi32(_mm256_slli_epi32(ia[r][p], 8), il[r][p]);
-    const int64_t g = gs * SUB / kGroup;
-    __m256 dv[P], sv[P];
-    for (int p = 0; p < P; ++p) {
-      dv[p] = _mm256_loadu_ps(D + p * pfloats + g * kLanes);
-      if constexpr (kMin) sv[p] = _mm256_loadu_ps(S + p * pfloats + g * kLanes);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256 f = _mm256_set1_ps(w.s(r0 + r)[gs]);
-      for (int p = 0; p < P; ++p)
-        acc[r][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[r][p]), _mm256_mul_ps(f, dv[p]),
-                                    acc[r][p]);
-      if constexpr (kMin) {
-        const __m256 mv = _mm256_set1_ps(w.m(r0 + r)[g]);
-        for (int p = 0; p < P; ++p) acc[r][p] = _mm256_fmadd_ps(mv, sv[p], acc[r][p]);
-      }
-    }
+    scale_sums<SUB, kMin, R, P>(w, r0, gs, D, S, pfloats, ia, acc);
   }
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) _mm256_storeu_ps(out + (r * P + p) * kLanes, acc[r][p]);
