@@ -261,11 +261,11 @@ def test_scored_prompt_keeps_other_streams_pace_and_returns_its_memory(
     warm = [rng.randrange(1000, 40000) for _ in range(SCORED_TOKENS)]
     with kvloop_serve(default_gguf, tmp_path, *KV_FLAGS) as server:
         client = httpx.Client(base_url=server.url, timeout=600)
-        # Warm-up: the KV pages of a prompt this long, and the scoring path once.
-        r = client.post("/v1/completions", json={"prompt": warm, "max_tokens": 1})
-        assert r.status_code == 200, r.text
+        # Warm-up: the KV pages of a prompt this long, and the scoring path over all of it
+        # (its response is as large as the measured one's): what the process keeps after
+        # one such request is its working set, what it keeps more after the next a leak.
         r = client.post("/v1/completions", json={
-            "prompt": warm[:200], "echo": True, "logprobs": 20, "max_tokens": 0})
+            "prompt": warm, "echo": True, "logprobs": 20, "max_tokens": 0})
         assert r.status_code == 200, r.text
         before = vm_rss_mib(server.proc.pid)
         body, start, end, times = asyncio.run(_scored_beside_streams(server.url, ids))

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvloop.engine.client import ReplicaLoad
-from kvloop.engine.llm_engine import LLMEngine
+from kvloop.engine.llm_engine import LLMEngine, release_free_heap
 from kvloop.engine.outputs import RequestOutput
 from kvloop.params import SamplingParams
 from kvloop.scheduler import SchedulerStats
@@ -279,12 +279,20 @@ class AsyncEngine:
     def _loop(self) -> None:
         """Serve the inbox and step the engine until asked to stop."""
         eng = self.engine
+        trimmed = True  # since the engine last went idle
         while True:
             busy = eng.has_unfinished_requests()
+            if not busy and not trimmed:
+                # A burst is over: the C heap's free pages (its steps' activations, logits,
+                # prompt log-probs) go back to the OS, so that a served request returns its
+                # memory instead of holding the process at the burst's peak.
+                release_free_heap()
+                trimmed = True
             if self._apply(self._drain(block=not busy)):
                 return
             if not eng.has_unfinished_requests():
                 continue
+            trimmed = False
             steps = eng.num_steps
             outputs = eng.step()
             # Figures first: a caller woken by its final output already sees them.
