@@ -198,7 +198,7 @@ class EngineConfig:
     # Positions a step may run: the native step's largest prefill chunk
     # (dispatch.NATIVE_MAX_PREFILL), so that a long prompt's chunks stay on it. At 2048 a
     # 2048-token prompt ran as one chunk on the modules: Gemma 3 270M prefilled it at 398
-    # tok/s, in chunks of 1024 at 625 (the default model: 457 and 479).
+    # tok/s, in chunks of 1024 at 625 (the default model: 457, and 479 in chunks of 512).
     max_num_batched_tokens: int = 1024
     # Prompt positions a step may run while it also decodes running streams: each such
     # step is a pause between those streams' tokens (SchedulerConfig). 128 positions of
