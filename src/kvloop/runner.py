@@ -152,7 +152,6 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         # The rope tables grow with the positions steps reach (RotaryEmbedding.reserve).
         self._ropes = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
-        self._rope_positions = min((r.positions for r in self._ropes), default=0)
 
     def reset(self) -> None:
         """Drop all per-request state (the engine forgot its requests)."""
@@ -294,10 +293,8 @@ class ModelRunner:
         """The forward over the step's tokens: [T, hidden] and T."""
         self.copy_blocks(sched.blocks_to_copy)
         reach = max((s.context_len for s in sched.decodes + sched.prefills), default=0)
-        if reach > self._rope_positions:
-            for rope in self._ropes:
-                rope.reserve(reach)
-            self._rope_positions = min((r.positions for r in self._ropes), default=reach)
+        for rope in self._ropes:  # a comparison each, unless a table must grow
+            rope.reserve(reach)
         if self._use_native(sched):
             return self._native_step(sched), sched.num_tokens
         return self._forward(sched)

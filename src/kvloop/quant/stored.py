@@ -155,11 +155,8 @@ class StoredRows:
     def groups(self) -> GroupWeights:
         """The same weights as codes and group scales (exact), decoded a slice of rows at a
         time (a K-quant head's 128k rows whole made about twice its codes in temporaries)."""
-        rows, cols = self.shape
         b = self.raw.numpy()
-        if rows == 0:
-            return decode(b, self.fmt, rows, cols)
-        return _decode_in_slices(b, self.fmt, rows, cols, _slices(b), lambda lo, hi: None)
+        return _decode_in_slices(b, self.fmt, *self.shape, _slices(b), lambda lo, hi: None)
 
     def dequantize(self) -> torch.Tensor:  # [N, K] fp32, the gguf package's values
         return self.groups().dequantize()
@@ -266,6 +263,8 @@ def _decode_in_slices(b: np.ndarray, kind: gguf.GGMLQuantizationType, rows: int,
                       spans: list[tuple[int, int]],
                       read: Callable[[int, int], None]) -> GroupWeights:
     """`decode` of [rows, row bytes] blocks a slice of rows at a time, into one result."""
+    if not spans:  # no rows
+        return decode(b, kind, rows, cols)
     out: GroupWeights | None = None
     for lo, hi in spans:
         part = decode(b[lo:hi], kind, hi - lo, cols)

@@ -177,6 +177,25 @@ void unpack_nibbles(const uint8_t* b, int64_t nb, int8_t* codes, int32_t* corr) 
   }
 }
 
+// Row n's factors in an 8-bit-code layer: Q8's one scale repeated per group of 32, or Q8B's
+// scales [K / group] (and mins [K / 32] where it has them).
+void eight_bit_factors(const QLinear& L, int64_t n, float* sc, float* mn) {
+  const int64_t K = L.in_features;
+  if (L.kind == WeightKind::Q8) {
+    std::fill(sc, sc + K / kGroup, L.scales.data_ptr<float>()[n]);
+    return;
+  }
+  TORCH_CHECK(L.kind == WeightKind::Q8B, "not a layer of 8-bit codes");
+  const int64_t ng = K / L.group, width = L.f32_scales ? 4 : 2;
+  const uint8_t* S = static_cast<const uint8_t*>(L.scales.data_ptr()) +
+                     n * (L.has_min ? 2 : 1) * ng * width;
+  for (int64_t g = 0; g < ng; ++g) {
+    sc[g] = L.f32_scales ? scale_at<true>(S, g) : scale_at<false>(S, g);
+    if (L.has_min)
+      mn[g] = L.f32_scales ? scale_at<true>(S + ng * 4, g) : scale_at<false>(S + ng * 2, g);
+  }
+}
+
 // Weight row n as codes [K], scales [K / sub], mins [K / 32] (has_min), w = sc * c + mn,
 // and the corrections [K / sub] (sub: format_of(L).sub).
 void unpack_row(const QLinear& L, int64_t n, int64_t sub, int8_t* codes, float* sc, float* mn,
@@ -184,23 +203,11 @@ void unpack_row(const QLinear& L, int64_t n, int64_t sub, int8_t* codes, float* 
   const int64_t K = L.in_features, nb = K / kGroup;
   if (is_stored(L.kind)) return stored_unpack_row(L, n, codes, sc, mn, corr);
   switch (L.kind) {
-    case WeightKind::Q8: {
+    case WeightKind::Q8:
+    case WeightKind::Q8B:
       std::memcpy(codes, L.weight.data_ptr<int8_t>() + n * K, K);
-      std::fill(sc, sc + nb, L.scales.data_ptr<float>()[n]);
+      eight_bit_factors(L, n, sc, mn);
       break;
-    }
-    case WeightKind::Q8B: {
-      std::memcpy(codes, L.weight.data_ptr<int8_t>() + n * K, K);
-      const int64_t ng = K / L.group, width = L.f32_scales ? 4 : 2;
-      const uint8_t* S = static_cast<const uint8_t*>(L.scales.data_ptr()) +
-                         n * (L.has_min ? 2 : 1) * ng * width;
-      for (int64_t g = 0; g < ng; ++g) {
-        sc[g] = L.f32_scales ? scale_at<true>(S, g) : scale_at<false>(S, g);
-        if (L.has_min)
-          mn[g] = L.f32_scales ? scale_at<true>(S + ng * 4, g) : scale_at<false>(S + ng * 2, g);
-      }
-      break;
-    }
     default: {  // Q4 / Q4F: a row's scales, then its mins, then 16 code bytes per group
       const bool f32s = L.kind == WeightKind::Q4F;
       const int64_t width = f32s ? 4 : 2;
@@ -216,10 +223,9 @@ void unpack_row(const QLinear& L, int64_t n, int64_t sub, int8_t* codes, float* 
 }
 
 // Row n of an 8-bit-code layer (Q8, Q8B) as tile_pairs takes it: its codes widened to
-// int16 straight from the weights, scales [K / sub] and mins [K / 32]; no corrections (int16
-// activations in pairs carry no offset).
-void unpack_row_pairs(const QLinear& L, int64_t n, int64_t sub, int16_t* c16, float* sc,
-                      float* mn) {
+// int16 straight from the weights, and its factors; no corrections (int16 activations in
+// pairs carry no offset).
+void unpack_row_pairs(const QLinear& L, int64_t n, int16_t* c16, float* sc, float* mn) {
   const int64_t K = L.in_features;
   const int8_t* w = L.weight.data_ptr<int8_t>() + n * K;
   int64_t k = 0;
@@ -230,19 +236,7 @@ void unpack_row_pairs(const QLinear& L, int64_t n, int64_t sub, int16_t* c16, fl
                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k))));
 #endif
   for (; k < K; ++k) c16[k] = w[k];
-  if (L.kind == WeightKind::Q8) {
-    std::fill(sc, sc + K / sub, L.scales.data_ptr<float>()[n]);
-    return;
-  }
-  TORCH_CHECK(L.kind == WeightKind::Q8B, "int16 pairs are for 8-bit codes");
-  const int64_t ng = K / L.group, width = L.f32_scales ? 4 : 2;
-  const uint8_t* S = static_cast<const uint8_t*>(L.scales.data_ptr()) +
-                     n * (L.has_min ? 2 : 1) * ng * width;
-  for (int64_t g = 0; g < ng; ++g) {
-    sc[g] = L.f32_scales ? scale_at<true>(S, g) : scale_at<false>(S, g);
-    if (L.has_min)
-      mn[g] = L.f32_scales ? scale_at<true>(S + ng * 4, g) : scale_at<false>(S + ng * 2, g);
-  }
+  eight_bit_factors(L, n, sc, mn);
 }
 
 // A thread's unpacked weight rows: kR rows of codes, scales, mins and corrections.
@@ -258,11 +252,11 @@ struct RowTile {
     K = K_;
     sub = sub_;
     pairs = pairs_;
-    codes.resize(kR * K);
+    codes.resize(pairs ? 0 : kR * K);
     codes16.resize(pairs ? kR * K : 0);
     sc.resize(kR * (K / sub));
     mn.resize(kR * (K / kGroup));
-    corr.resize(kR * (K / sub));
+    corr.resize(pairs ? 0 : kR * (K / sub));
   }
   const int8_t* c(int r) const { return codes.data() + r * K; }
   const int16_t* c16(int r) const { return codes16.data() + r * K; }
@@ -272,7 +266,7 @@ struct RowTile {
 
   void load(const QLinear& L, int64_t n, int r) {
     if (pairs)
-      return unpack_row_pairs(L, n, sub, codes16.data() + r * K, sc.data() + r * (K / sub),
+      return unpack_row_pairs(L, n, codes16.data() + r * K, sc.data() + r * (K / sub),
                               mn.data() + r * (K / kGroup));
     unpack_row(L, n, sub, codes.data() + r * K, sc.data() + r * (K / sub),
                mn.data() + r * (K / kGroup), corr.data() + r * (K / sub));
@@ -568,10 +562,6 @@ void gemm_t(const QLinear& L, const QuantizedActs& a, float* y) {
   }
 }
 
-// gemm_t for format f: its weights per scale (16 or 32), min term or not, and int16 sums
-// (f.sums: a power of two, found from kSums up). Int16 sums only on the plain vpmaddubsw
-// path: kSigned8 has no room for them, and int16 activations (kWide) come with 8-bit codes
-// only (Q8, Q8B heads), whose f.sums is 1 anyway.
 // gemm_t for a layer with 8-bit codes taking int16 activations in pairs (kPairs).
 void gemm_pairs(const GemmFormat& f, const QLinear& L, const QuantizedActs& a, float* y) {
   if (f.sub == 16) {
@@ -583,6 +573,10 @@ void gemm_pairs(const GemmFormat& f, const QLinear& L, const QuantizedActs& a, f
   }
 }
 
+// gemm_t for format f: its weights per scale (16 or 32), min term or not, and int16 sums
+// (f.sums: a power of two, found from kSums up). Int16 sums only on the plain vpmaddubsw
+// path: kSigned8 has no room for them, and int16 activations (kWide) come with 8-bit codes
+// only (Q8, Q8B heads), whose f.sums is 1 anyway.
 template <bool kWide, bool kSigned8, int kSums = 1>
 void gemm_for(const GemmFormat& f, const QLinear& L, const QuantizedActs& a, float* y) {
   if constexpr (kMaddubs && !kWide && !kSigned8 && kSums < 8) {
