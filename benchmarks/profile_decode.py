@@ -97,12 +97,13 @@ def native(args: argparse.Namespace) -> str:
     runner.decoder, runner.sampler = dec, sampler  # type: ignore[assignment]
     eng = llm.engine
     B, N = args.batch, args.prompt
-    if eng.config.max_num_batched_tokens < B * N:
-        raise SystemExit(f"--batch x --prompt must fit one step's token budget "
-                         f"({eng.config.max_num_batched_tokens})")
     for i in range(B):
         eng.add_request(None, prompt_ids(llm.tokenizer, N, 1 + i), params)
-    eng.step()  # every prefill, not counted
+    # Every prefill, not counted: as many steps as the step budget needs (B x N over it).
+    sched = eng.scheduler
+    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                               for r in sched.running):
+        eng.step()
     dec.seconds.clear()
     sampler.seconds.clear()
     steps = 0

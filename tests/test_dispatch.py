@@ -143,6 +143,33 @@ def test_stored_blocks_match_gguf_float64_at_threshold_rows(isa: str, fmt: Any) 
             assert_linear_close(y, (x.double() @ dense.T + bias.double()).float(), what)
 
 
+@pytest.mark.parametrize("fmt", list(STORED_KINDS), ids=lambda f: f.name)
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512vnni"])
+def test_stored_batch1_rows_equal_the_same_rows_in_a_batch(isa: str, fmt: Any) -> None:
+    """At batch 1 the stored-block kernels take several weight rows at once (sharing the
+    activation loads); in a batch each weight row meets several activation rows. A row's
+    output must not depend on which: a sequence decodes to the same logits alone or beside
+    others. Bit for bit, over output rows that fill no whole tile (70) and, for the
+    32-weight blocks, a row of 20 blocks (640, Gemma 3's width)."""
+    mod = _module(isa)
+    for K in (768, 640) if fmt.name.startswith("Q5_") and fmt.name[-1] != "K" else (768,):
+        N = 70
+        raw = random_blocks(fmt, N, K, seed=int(fmt) + K, scale=0.01)
+        _normal_scales(raw, fmt, seed=int(fmt))
+        kind, weight, _ = StoredRows(torch.from_numpy(raw), fmt, K).native()
+        lin = mod.QLinear(kind, weight, K, None, None, False)
+        lin.set_int8_gemm(NEVER)  # the row kernels at every batch size here
+        x = torch.randn(1, K, generator=_gen(int(fmt) + K))
+        alone = lin.forward(x)
+        batch = lin.forward(x.expand(5, K).contiguous())  # 4 rows a tile, then 1
+        for m in range(5):
+            assert torch.equal(batch[m], alone[0]), f"{isa} {fmt.name} K={K} row {m}"
+        dense = oracle(raw, fmt, N, K).double()
+        q, d = quantize_acts_reference(x)
+        xd = (q.view(1, -1, 32).double() * d.double()[..., None]).view(1, K)
+        assert_linear_close(alone, (xd @ dense.T).float(), f"{isa} {fmt.name} K={K}")
+
+
 # Row counts around the int8 GEMM's tiles (panels of 8 activation rows, in pairs on
 # AVX-512) and, at K = 4096, past its first chunk of panels (16 panels: 128 rows).
 GEMM_ROWS = (8, 9, 15, 16, 17, 24, 33, 200)

@@ -208,6 +208,11 @@ void stored_rows(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m
                  float* y);
 // Row n of the weights, w = scale * code + min in fp32: the `gguf` package's values.
 void stored_decode_row(const QLinear& L, int64_t n, float* out);
+// Batch 1: weight rows n..n+kStoredRowsAtOnce against activation row m, into y[m, n...]
+// (bit-identical to stored_rows; the rows share the activation loads).
+constexpr int kStoredRowsAtOnce = 4;
+void stored_rows_at_once(const QLinear& L, const QuantizedActs& A, int64_t m, int64_t n,
+                         float* y);
 // Row n as the int8 GEMM takes it: signed codes [K], w = sc[k / SUB] * code + mn[k / 32],
 // SUB = stored_gemm_sub (16 or 32), mn written only where stored_gemm_has_min; corr
 // [K / SUB]: -128 * the sum of each scale's codes (the GEMM's offset correction).

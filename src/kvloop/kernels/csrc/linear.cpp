@@ -318,24 +318,6 @@ constexpr int kRows = 4;  // weight rows per call at batch 1
 
 #if defined(__AVX2__) && defined(__F16C__)
 #define KVLOOP_MULTI_ROW 1
-constexpr int64_t kPrefetchCalls = 2;  // how many calls ahead RowPrefetch reads
-// R rows read side by side are R short streams to the hardware prefetcher, and with the
-// weights coming from memory (a whole model, the head) that was slower than one row at a
-// time (0.8-0.95x). So the kernel fetches the rows kPrefetchCalls calls ahead itself, a few
-// lines per loop iteration (next(): all of them at the start of the call filled the
-// miss buffers and stalled the loads, 0.7x on the head).
-struct RowPrefetch {
-  const char* p;
-  int64_t step;  // bytes per next(), whole lines
-  RowPrefetch(const void* rows, int64_t bytes, int64_t steps)
-      : p(static_cast<const char*>(rows) + kPrefetchCalls * bytes),
-        step((bytes + 64 * steps - 1) / (64 * steps) * 64) {}
-  void next() {
-    for (int64_t i = 0; i < step; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
-    p += step;
-  }
-};
-
 // row_q4<1, F32S> for rows n..n+R against activation row m.
 template <int R, bool F32S>
 void rows_q4(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, int64_t m,
@@ -750,6 +732,8 @@ void rows_batch1(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m
       }
 #endif
       default:
+        static_assert(R == kStoredRowsAtOnce, "the stored kernels take kStoredRowsAtOnce rows");
+        if (is_stored(L.kind)) stored_rows_at_once(L, A, m, n, y);
         break;
     }
   }
@@ -762,6 +746,12 @@ bool multi_row(const QLinear& L) {
   switch (L.kind) {
     case WeightKind::Q4:
     case WeightKind::Q4F:
+    // GGUF blocks as stored (stored_rows_at_once), but Q6_K: its 4-row kernel measured
+    // 5-8% slower than one row at a time (its factors and sign trick fill the registers).
+    case WeightKind::Q4_K:
+    case WeightKind::Q5_K:
+    case WeightKind::Q5_0:
+    case WeightKind::Q5_1:
       return true;
 #ifdef KVLOOP_MULTI_ROW_WIDE
     case WeightKind::Q8:

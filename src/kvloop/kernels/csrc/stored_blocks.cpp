@@ -16,12 +16,18 @@
 #include "kvloop.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 
 #include "simd.h"
 
 namespace kvloop {
 namespace {
+
+// Loops over a kernel's register arrays, unrolled whole so that the arrays stay in registers.
+#define KVLOOP_UNROLL _Pragma("GCC unroll 16")
 
 constexpr int64_t kGroup = 32;
 constexpr int kCols = 4;  // activation rows sharing one pass over a weight row (linear.cpp)
@@ -157,13 +163,14 @@ inline __m256i bit_to_16(__m256i qh, int j) {
   return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
 }
 
-// f(g, u) for each group g of 32 weights of the block, u its 32 unsigned codes in element
-// order: the only format-specific part of the vector kernel.
-template <WeightKind K, typename F>
-inline void for_each_group(const uint8_t* b, F&& f) {
+// The 32 unsigned codes of group g (of 32 weights) of the block, in element order: the
+// only format-specific part of the vector kernels.
+template <WeightKind K, int g>
+inline __m256i group_codes(const uint8_t* b) {
   const __m256i nib = _mm256_set1_epi8(0x0F);
   if constexpr (K == WeightKind::Q5_0 || K == WeightKind::Q5_1) {
-    const int64_t head = K == WeightKind::Q5_0 ? 2 : 4;
+    static_assert(g == 0, "one group a block");
+    constexpr int64_t head = K == WeightKind::Q5_0 ? 2 : 4;
     uint32_t qh;
     std::memcpy(&qh, b + head, 4);
     // The 16 code bytes in both halves, the upper half shifted by 4: low nibbles are
@@ -172,40 +179,48 @@ inline void for_each_group(const uint8_t* b, F&& f) {
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + head + 4)));
     const __m256i lohi = _mm256_and_si256(
         _mm256_srlv_epi64(raw, _mm256_setr_epi64x(0, 0, 4, 4)), nib);
-    f(0, _mm256_or_si256(lohi, fifth_bits(qh)));
+    return _mm256_or_si256(lohi, fifth_bits(qh));
   } else if constexpr (K == WeightKind::Q4_K || K == WeightKind::Q5_K) {
+    // 32 bytes per 64 weights: low nibbles the first 32, high nibbles the next; Q5_K's
+    // fifth bit of element l of group g is bit g of qh[l].
     const uint8_t* qs = b + (K == WeightKind::Q4_K ? 16 : 48);
-    __m256i qh = _mm256_setzero_si256();
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (g / 2)));
+    __m256i u = _mm256_and_si256(g % 2 == 0 ? raw : _mm256_srli_epi16(raw, 4), nib);
     if constexpr (K == WeightKind::Q5_K)
-      qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16));
-    for (int c = 0; c < 4; ++c) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * c));
-      __m256i lo = _mm256_and_si256(raw, nib);
-      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
-      if constexpr (K == WeightKind::Q5_K) {
-        lo = _mm256_or_si256(lo, bit_to_16(qh, 2 * c));
-        hi = _mm256_or_si256(hi, bit_to_16(qh, 2 * c + 1));
-      }
-      f(2 * c, lo);
-      f(2 * c + 1, hi);
-    }
-  } else {  // Q6_K
-    const __m256i two = _mm256_set1_epi8(0x30);
-    for (int h = 0; h < 2; ++h) {
-      const uint8_t* L = b + 64 * h;
-      const __m256i l0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(L));
-      const __m256i l1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(L + 32));
-      const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
-      f(4 * h, _mm256_or_si256(_mm256_and_si256(l0, nib),
-                               _mm256_and_si256(_mm256_slli_epi16(H, 4), two)));
-      f(4 * h + 1, _mm256_or_si256(_mm256_and_si256(l1, nib),
-                                   _mm256_and_si256(_mm256_slli_epi16(H, 2), two)));
-      f(4 * h + 2, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), nib),
-                                   _mm256_and_si256(H, two)));
-      f(4 * h + 3, _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), nib),
-                                   _mm256_and_si256(_mm256_srli_epi16(H, 2), two)));
-    }
+      u = _mm256_or_si256(
+          u, bit_to_16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)), g));
+    return u;
+  } else {  // Q6_K: two halves of 128 weights, each 4 groups: nibbles of ql, 2 bits of qh
+    constexpr int h = g / 4, j = g % 4;
+    const __m256i L =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 64 * h + 32 * (j % 2)));
+    const __m256i H = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 128 + 32 * h));
+    const __m256i lo = _mm256_and_si256(j < 2 ? L : _mm256_srli_epi16(L, 4), nib);
+    const __m256i hi = j == 0 ? _mm256_slli_epi16(H, 4)
+                     : j == 1 ? _mm256_slli_epi16(H, 2)
+                     : j == 2 ? H
+                              : _mm256_srli_epi16(H, 2);
+    return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
   }
+}
+
+// f(g) for g = 0..N-1, each g a std::integral_constant: indices into register arrays and
+// lanes stay compile-time constants, which a loop's index would not (the arrays would
+// live in memory).
+template <typename F, int... I>
+inline void for_each_index(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, typename F>
+inline void for_each_index(F&& f) {
+  for_each_index(f, std::make_integer_sequence<int, N>{});
+}
+
+// f(g, u) for each group g of 32 weights of the block, u its codes (group_codes).
+template <WeightKind K, typename F>
+inline void for_each_group(const uint8_t* b, F&& f) {
+  for_each_index<static_cast<int>(Traits<K>::QK / kGroup)>(
+      [&](auto g) { f(g, group_codes<K, decltype(g)::value>(b)); });
 }
 
 // Q4_K / Q5_K: block_factors' 8 scales and 8 mins as vectors (lane j: group j), the
@@ -231,110 +246,136 @@ inline void k_factors(const uint8_t* b, __m256& s, __m256& mn) {
 
 #endif
 
-// Weight row n against activation rows m0..m0+C.
-template <int C, WeightKind K>
-void row_stored(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, int64_t m0,
-                float* Y) {
+// Weight rows n..n+R against activation rows m0..m0+C: C = kCols activation rows of a
+// batch against one weight row, or at batch 1 R = kStoredRowsAtOnce weight rows against
+// one activation row, which then share its loads and keep 2R FMA chains in flight.
+// Measured on Zen 3 (avx2, one thread, against one row at a time): Q4_K 1.22x, Q5_K 1.1x,
+// Q5_0 1.17x at Gemma 3's K = 640 (equal from K = 2048); Q6_K 0.93x, so it stays one row
+// at a time (linear.cpp's multi_row). Every (weight row, activation row) pair takes the
+// same operations in the same order either way: the results are bit-identical.
+template <int C, int R, WeightKind K>
+void rows_stored(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, int64_t m0,
+                 float* Y) {
   using T = Traits<K>;
   constexpr int64_t G = T::QK / kGroup, S = T::QK / T::SUB;
+  constexpr int I = C * R;  // pairs, i = c * R + r
   constexpr bool kSigned = K == WeightKind::Q6_K;  // signed codes, no min term
   const int64_t Kd = A.K, nb = Kd / kGroup, blocks = Kd / T::QK;
-  const uint8_t* row = W + n * blocks * T::BYTES;
-  float out[C];
-  for (int c = 0; c < C; ++c) out[c] = 0.f;
+  const int64_t row_bytes = blocks * T::BYTES;
+  const uint8_t* rows[R];
+  KVLOOP_UNROLL
+  for (int r = 0; r < R; ++r) rows[r] = W + (n + r) * row_bytes;
+  float out[I];
+  KVLOOP_UNROLL
+  for (int i = 0; i < I; ++i) out[i] = 0.f;
 #ifdef __AVX2__
-  // Two accumulators per activation row (even and odd groups) keep FMA chains in flight.
-  __m256 acc[2][C], zp[C];  // zp: the min terms, Q4_K / Q5_K
-  for (int c = 0; c < C; ++c) acc[0][c] = acc[1][c] = zp[c] = _mm256_setzero_ps();
-#endif
+  RowPrefetch pf(rows[0], R * row_bytes, blocks);  // R > 1 only: see RowPrefetch
+  // Two accumulators per pair (even and odd groups) keep FMA chains in flight.
+  __m256 acc[2][I], zp[I];  // zp: the min terms, Q4_K / Q5_K
+  KVLOOP_UNROLL
+  for (int i = 0; i < I; ++i) acc[0][i] = acc[1][i] = zp[i] = _mm256_setzero_ps();
+  // Per pair, the block's factor of each dot product: weight scale x activation scale per
+  // group of 32 (Q6_K: per 16, two to a group), read back broadcast (or in pairs).
+  alignas(32) float fac[I][S < 8 ? 8 : S];
   for (int64_t bi = 0; bi < blocks; ++bi) {
-    const uint8_t* b = row + bi * T::BYTES;
+    if constexpr (R > 1) pf.next();
     const int64_t g0 = bi * G;  // the block's first group of 32 along the row
-    float s[S], mn[S];
-#ifdef __AVX2__
-    constexpr bool kVec = K == WeightKind::Q4_K || K == WeightKind::Q5_K;
-    constexpr bool kVec16 = K == WeightKind::Q6_K;
-    __m256 fac[C];  // kVec: per activation row, lane g: group g's scale x activation scale
-    __m256 fac16[2][C];  // kVec16: lanes 2g', 2g' + 1: group 4h + g''s two half factors
-    if constexpr (kVec16) {
-      // 16 int8 scales times d, as block_factors: two vectors of 8 (groups 0-3, 4-7).
-      const __m256 d = _mm256_set1_ps(f16_at(b + 208));
-      const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
-      const __m256 s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
-      const __m256 s1 = _mm256_mul_ps(
-          d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
-      for (int c = 0; c < C; ++c) {
-        const __m256 dx = _mm256_loadu_ps(A.d.data() + (m0 + c) * nb + g0);
-        const __m256i lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-        const __m256i hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
-        fac16[0][c] = _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(dx, lo));
-        fac16[1][c] = _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(dx, hi));
-      }
-    } else if constexpr (kVec) {
-      __m256 sv, mv;
-      k_factors(b, sv, mv);
-      for (int c = 0; c < C; ++c) {
-        const int64_t o = (m0 + c) * nb + g0;
-        fac[c] = _mm256_mul_ps(sv, _mm256_loadu_ps(A.d.data() + o));
-        zp[c] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(A.s.data() + o), zp[c]);
-      }
-    } else {
-      block_factors<K>(b, s, mn);
-      for (int c = 0; c < C; ++c)
-        for (int64_t g = 0; g < G; ++g) out[c] += mn[g] * A.s[(m0 + c) * nb + g0 + g];
-    }
-    for_each_group<K>(b, [&](int64_t g, __m256i u) {
-      __m256i w = u, aw = u;
+    KVLOOP_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* b = rows[r] + bi * T::BYTES;
       if constexpr (kSigned) {
-        w = _mm256_sub_epi8(u, _mm256_set1_epi8(32));
-        aw = _mm256_sign_epi8(w, w);  // |w| as u8; w's sign moves onto x
-      }
-      // g's parity is known where for_each_group calls this (g0 is a multiple of G, even
-      // for the K-quants; Q5_0 / Q5_1 have one group a block): the accumulators stay in
-      // registers, which an index known only at run time would not let them.
-      __m256* a = acc[g & 1];
-      for (int c = 0; c < C; ++c) {
-        __m256i x = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(A.q.data() + (m0 + c) * Kd + (g0 + g) * kGroup));
-        if constexpr (kSigned) x = _mm256_sign_epi8(x, w);
-        __m256 f;
-        if constexpr (kVec) {
-          f = _mm256_permutevar8x32_ps(fac[c], _mm256_set1_epi32(static_cast<int>(g)));
-        } else if constexpr (kVec16) {
-          const int j = 2 * static_cast<int>(g % 4);
-          f = _mm256_permutevar8x32_ps(fac16[g / 4][c],
-                                       _mm256_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1));
-        } else if constexpr (T::SUB == kGroup) {
-          f = _mm256_set1_ps(s[g] * A.d[(m0 + c) * nb + g0 + g]);
-        } else {  // lanes 0-3 hold the first 16 weights' sums, 4-7 the last 16's
-          f = _mm256_mul_ps(pair_factors(&s[2 * g]),
-                            _mm256_set1_ps(A.d[(m0 + c) * nb + g0 + g]));
+        // 16 int8 scales times d, as block_factors: two vectors of 8 (groups 0-3, 4-7).
+        const __m256 d = _mm256_set1_ps(f16_at(b + 208));
+        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+        const __m256 s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+        const __m256 s1 = _mm256_mul_ps(
+            d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+        KVLOOP_UNROLL
+        for (int c = 0; c < C; ++c) {
+          const __m256 dx = _mm256_loadu_ps(A.d.data() + (m0 + c) * nb + g0);
+          const __m256i lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+          const __m256i hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+          float* f = fac[c * R + r];
+          _mm256_store_ps(f, _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(dx, lo)));
+          _mm256_store_ps(f + 8, _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(dx, hi)));
         }
-        a[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(aw, x)), f, a[c]);
+      } else if constexpr (G == 8) {  // Q4_K / Q5_K
+        __m256 sv, mv;
+        k_factors(b, sv, mv);
+        KVLOOP_UNROLL
+        for (int c = 0; c < C; ++c) {
+          const int64_t o = (m0 + c) * nb + g0;
+          _mm256_store_ps(fac[c * R + r], _mm256_mul_ps(sv, _mm256_loadu_ps(A.d.data() + o)));
+          zp[c * R + r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(A.s.data() + o), zp[c * R + r]);
+        }
+      } else {  // Q5_0 / Q5_1: one group
+        float s, mn;
+        block_factors<K>(b, &s, &mn);
+        KVLOOP_UNROLL
+        for (int c = 0; c < C; ++c) {
+          const int64_t o = (m0 + c) * nb + g0;
+          // fused explicitly: contracted or not, the compiler's choice differed between
+          // the 4-row and the batched forms, and with it the results' last bits
+          out[c * R + r] = std::fma(mn, A.s[o], out[c * R + r]);
+          fac[c * R + r][0] = s * A.d[o];
+        }
+      }
+    }
+    for_each_index<static_cast<int>(G)>([&](auto g) {
+      __m256i x[C];
+      KVLOOP_UNROLL
+      for (int c = 0; c < C; ++c)
+        x[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+            A.q.data() + (m0 + c) * Kd + (g0 + g) * kGroup));
+      KVLOOP_UNROLL
+      for (int r = 0; r < R; ++r) {
+        const __m256i u = group_codes<K, decltype(g)::value>(rows[r] + bi * T::BYTES);
+        __m256i w = u, aw = u;
+        if constexpr (kSigned) {
+          w = _mm256_sub_epi8(u, _mm256_set1_epi8(32));
+          aw = _mm256_sign_epi8(w, w);  // |w| as u8; w's sign moves onto x
+        }
+        KVLOOP_UNROLL
+        for (int c = 0; c < C; ++c) {
+          const int i = c * R + r;
+          const __m256i xs = kSigned ? _mm256_sign_epi8(x[c], w) : x[c];
+          // lanes 0-3 hold the dot product's first 16 weights, 4-7 its last 16: Q6_K's two
+          // scales of the group
+          const __m256 f =
+              kSigned ? pair_factors(&fac[i][2 * g]) : _mm256_broadcast_ss(&fac[i][g]);
+          acc[g & 1][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(aw, xs)), f, acc[g & 1][i]);
+        }
       }
     });
-#else
-    block_factors<K>(b, s, mn);
-    if constexpr (!kSigned)
-      for (int c = 0; c < C; ++c)
-        for (int64_t g = 0; g < G; ++g) out[c] += mn[g] * A.s[(m0 + c) * nb + g0 + g];
-    uint8_t u[T::QK];
-    unpack_codes<K>(b, u);
-    for (int c = 0; c < C; ++c)
-      for (int64_t i = 0; i < S; ++i) {  // per scale: SUB weights
-        const int8_t* x = A.q.data() + (m0 + c) * Kd + g0 * kGroup + i * T::SUB;
-        int32_t dot = 0;
-        for (int64_t j = 0; j < T::SUB; ++j)
-          dot += (int32_t(u[i * T::SUB + j]) - (kSigned ? 32 : 0)) * int32_t(x[j]);
-        out[c] += float(dot) * s[i] * A.d[(m0 + c) * nb + g0 + i * T::SUB / kGroup];
-      }
-#endif
   }
-#ifdef __AVX2__
-  for (int c = 0; c < C; ++c)
-    out[c] += hsum(_mm256_add_ps(_mm256_add_ps(acc[0][c], acc[1][c]), zp[c]));
+  KVLOOP_UNROLL
+  for (int i = 0; i < I; ++i)
+    out[i] += hsum(_mm256_add_ps(_mm256_add_ps(acc[0][i], acc[1][i]), zp[i]));
+#else
+  for (int r = 0; r < R; ++r)
+    for (int64_t bi = 0; bi < blocks; ++bi) {
+      const uint8_t* b = rows[r] + bi * T::BYTES;
+      const int64_t g0 = bi * G;  // the block's first group of 32 along the row
+      float s[S], mn[S];
+      block_factors<K>(b, s, mn);
+      uint8_t u[T::QK];
+      unpack_codes<K>(b, u);
+      for (int c = 0; c < C; ++c) {
+        float& o = out[c * R + r];
+        if constexpr (!kSigned)
+          for (int64_t g = 0; g < G; ++g) o += mn[g] * A.s[(m0 + c) * nb + g0 + g];
+        for (int64_t i = 0; i < S; ++i) {  // per scale: SUB weights
+          const int8_t* x = A.q.data() + (m0 + c) * Kd + g0 * kGroup + i * T::SUB;
+          int32_t dot = 0;
+          for (int64_t j = 0; j < T::SUB; ++j)
+            dot += (int32_t(u[i * T::SUB + j]) - (kSigned ? 32 : 0)) * int32_t(x[j]);
+          o += float(dot) * s[i] * A.d[(m0 + c) * nb + g0 + i * T::SUB / kGroup];
+        }
+      }
+    }
 #endif
-  for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c];
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) Y[(m0 + c) * N + n + r] = out[c * R + r];
 }
 
 template <WeightKind K>
@@ -342,8 +383,8 @@ void rows_t(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m1, in
             float* y) {
   const uint8_t* W = L.weight.data_ptr<uint8_t>();
   int64_t m = m0;
-  for (; m + kCols <= m1; m += kCols) row_stored<kCols, K>(W, A, L.out_features, n, m, y);
-  for (; m < m1; ++m) row_stored<1, K>(W, A, L.out_features, n, m, y);
+  for (; m + kCols <= m1; m += kCols) rows_stored<kCols, 1, K>(W, A, L.out_features, n, m, y);
+  for (; m < m1; ++m) rows_stored<1, 1, K>(W, A, L.out_features, n, m, y);
 }
 
 template <WeightKind K>
@@ -493,6 +534,15 @@ void stored_rows(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m
 #define ROWS(F) rows_t<F>(L, A, m0, m1, n, y)
   switch (kind) { KVLOOP_STORED_KINDS(ROWS) }
 #undef ROWS
+}
+
+void stored_rows_at_once(const QLinear& L, const QuantizedActs& A, int64_t m, int64_t n,
+                         float* y) {
+  const WeightKind kind = L.kind;
+  const uint8_t* W = L.weight.data_ptr<uint8_t>();
+#define ROWS_AT_ONCE(F) rows_stored<1, kStoredRowsAtOnce, F>(W, A, L.out_features, n, m, y)
+  switch (kind) { KVLOOP_STORED_KINDS(ROWS_AT_ONCE) }
+#undef ROWS_AT_ONCE
 }
 
 void stored_decode_row(const QLinear& L, int64_t n, float* out) {
