@@ -26,7 +26,15 @@ from kvloop.models.attention import AttentionMetadata, PrefillSegment
 from kvloop.models.linear import Linear
 from kvloop.quant import BlockLinear, GroupWeights, StackedLinear
 from kvloop.quant.layout import Q4, Q4F, Q8B, STORED
-from kvloop.quant.stored import BLOCK_TYPES, STORED_KINDS, StoredRows, cat, decode, stored
+from kvloop.quant.stored import (
+    BLOCK_TYPES,
+    STORED_KINDS,
+    StoredRows,
+    cat,
+    decode,
+    file_order,
+    stored,
+)
 
 T = gguf.GGMLQuantizationType
 # Byte offsets of each block's fp16 fields (d, and dmin / m where there is one).
@@ -85,6 +93,35 @@ def test_blocks_from_gguf_quantize_equal_gguf_exactly(kind: T) -> None:
                        oracle(raw, kind, rows, cols))
 
 
+def test_q5_0_rows_group_8_blocks_as_q5_k_lays_out_its_codes() -> None:
+    """The kernels' Q5_0 rows (kvloop.quant.stored.kernel_order), checked against the
+    codes gguf's dequantization gives with every d = 1 (w = q - 16): per 8 blocks of a row, their 8
+    scales, a plane of fifth bits (byte l, bit j: element l of block j), then nibbles
+    (byte 32c + l: element l of block 2c low, of block 2c + 1 high); blocks past the last
+    8 as the file has them. 20 blocks a row: Gemma 3's width, two groups and 4 more."""
+    rows, cols = 3, 640
+    raw = random_blocks(T.Q5_0, rows, cols, 9, scale=0.01)
+    w = stored(raw, T.Q5_0, rows, cols)
+    assert isinstance(w, StoredRows)
+    lay = w.raw.numpy()
+    ones = raw.copy().reshape(rows, 20, 22)
+    ones[..., 0:2] = np.array([1.0], dtype=np.float16).view(np.uint8)  # d = 1: w = q - 16
+    q = oracle(ones.reshape(rows, -1), T.Q5_0, rows, cols).numpy().astype(np.int64) + 16
+    q = q.reshape(rows, 20, 32)
+    assert q.min() >= 0 and q.max() <= 31
+    for r in range(rows):
+        for grp in range(2):
+            g = lay[r, 176 * grp : 176 * (grp + 1)]
+            blocks = range(8 * grp, 8 * grp + 8)
+            assert np.array_equal(g[:16], raw[r].reshape(20, 22)[list(blocks), 0:2].reshape(-1))
+            for j, bj in enumerate(blocks):
+                assert np.array_equal((g[16:48] >> j) & 1, q[r, bj] >> 4)
+            for c in range(4):
+                lo, hi = q[r, 8 * grp + 2 * c] & 15, q[r, 8 * grp + 2 * c + 1] & 15
+                assert np.array_equal(g[48 + 32 * c : 80 + 32 * c], lo | (hi << 4))
+        assert np.array_equal(lay[r, 352:], raw[r, 352:])  # the last 4 blocks as stored
+
+
 @pytest.mark.parametrize("kind", list(STORED_KINDS), ids=lambda k: k.name)
 def test_stored_rows_are_the_file_bytes_and_gguf_values(kind: T) -> None:
     """Formats the kernels read as stored keep the file's bytes (reordered and stacked by
@@ -92,7 +129,9 @@ def test_stored_rows_are_the_file_bytes_and_gguf_values(kind: T) -> None:
     rows, cols = 12, 768
     raw = random_blocks(kind, rows, cols, 4)
     w = stored(raw, kind, rows, cols)
-    assert isinstance(w, StoredRows) and np.array_equal(w.raw.numpy(), raw)
+    # the file's bytes (Q5_0's bits moved within each 8 blocks of a row: kernel_order)
+    assert isinstance(w, StoredRows) and w.raw.shape == raw.shape
+    assert np.array_equal(file_order(kind, w.raw.numpy()), raw)
     ref = oracle(raw, kind, rows, cols)
     lin = BlockLinear(w)
     assert lin.kind == STORED_KINDS[kind] and lin.weight_bytes == raw.nbytes

@@ -34,7 +34,7 @@ from kvloop.kernels.linear import (
     quantize_acts_reference,
 )
 from kvloop.quant.layout import GroupWeights
-from kvloop.quant.stored import STORED_KINDS, StoredRows
+from kvloop.quant.stored import STORED_KINDS, stored
 from test_block_formats import F16_FIELDS, oracle, random_blocks
 from test_native import LINEAR_RTOL, _gen, _layouts, assert_linear_close, q4_scales_mins
 
@@ -114,7 +114,7 @@ def test_stored_blocks_match_gguf_float64_at_threshold_rows(isa: str, fmt: Any) 
     N, K = 136, 768  # three 256-weight super-blocks a row
     raw = random_blocks(fmt, N, K, seed=len(isa) + int(fmt), scale=0.01)
     _normal_scales(raw, fmt, seed=int(fmt))  # no edge values: a tolerance for every row
-    w = StoredRows(torch.from_numpy(raw), fmt, K)
+    w = stored(raw, fmt, N, K)
     kind, weight, _ = w.native()
     g = _gen(int(fmt) * 7 + len(isa))
     bias = torch.randn(N, generator=g)
@@ -156,7 +156,7 @@ def test_stored_batch1_rows_equal_the_same_rows_in_a_batch(isa: str, fmt: Any) -
         N = 70
         raw = random_blocks(fmt, N, K, seed=int(fmt) + K, scale=0.01)
         _normal_scales(raw, fmt, seed=int(fmt))
-        kind, weight, _ = StoredRows(torch.from_numpy(raw), fmt, K).native()
+        kind, weight, _ = stored(raw, fmt, N, K).native()
         lin = mod.QLinear(kind, weight, K, None, None, False)
         lin.set_int8_gemm(NEVER)  # the row kernels at every batch size here
         x = torch.randn(1, K, generator=_gen(int(fmt) + K))
@@ -188,7 +188,7 @@ def _gemm_layer(mod: Any, layout: str, N: int, K: int, g: torch.Generator,
     fmt = next(f for f in STORED_KINDS if f.name == layout)
     raw = random_blocks(fmt, N, K, seed=int(fmt), scale=0.01)
     _normal_scales(raw, fmt, seed=int(fmt))
-    kind, weight, _ = StoredRows(torch.from_numpy(raw), fmt, K).native()
+    kind, weight, _ = stored(raw, fmt, N, K).native()
     return mod.QLinear(kind, weight, K, None, bias, False), bias
 
 
@@ -259,7 +259,7 @@ def _extreme_layer(mod: Any, layout: str, N: int, K: int, top: bool,
         _normal_scales(raw, fmt, seed=int(fmt))
         lo, hi = CODE_BYTES[layout]
         raw.reshape(-1, gguf.GGML_QUANT_SIZES[fmt][1])[:, lo:hi] = 0xFF if top else 0
-        kind, weight, _ = StoredRows(torch.from_numpy(raw), fmt, K).native()
+        kind, weight, _ = stored(raw, fmt, N, K).native()
         return mod.QLinear(kind, weight, K, None, bias, False), bias
     kind, w, sc = gw.native()
     return mod.QLinear(kind, w, K, sc, bias, False), bias

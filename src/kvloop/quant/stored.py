@@ -1,8 +1,9 @@
 """GGUF block formats as stored, without re-quantization, in one of two forms:
 
-- `StoredRows`: the tensor's blocks exactly as the file stores them, a row of weights its
-  blocks back to back, which the native kernels read as they lie (csrc/stored_blocks.cpp:
-  Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1);
+- `StoredRows`: the tensor's blocks as the file stores them, a row of weights its blocks
+  back to back, which the native kernels read as they lie (csrc/stored_blocks.cpp: Q4_K,
+  Q5_K, Q6_K, Q5_0 and Q5_1); Q5_0's bits are moved within each 8 blocks of a row
+  (`kernel_order`), no byte added;
 - `GroupWeights` (`decode`): each block's integer codes, and a scale (and min) per group
   computed exactly as the `gguf` package's dequantization computes them, so that scale *
   code + min in fp32 equals its weights bit for bit (tests/test_block_formats.py holds them
@@ -134,11 +135,72 @@ def decode(raw: np.ndarray, kind: gguf.GGMLQuantizationType, rows: int,
     return GroupWeights(codes_t, scales_t, mins_t, group, bits)
 
 
+# Q5_0 rows as the kernels read them: each 8 consecutive blocks of a row (256 weights) as
+# one 176-byte group, laid out as a Q5_K super-block is: the 8 blocks' fp16 scales, a plane
+# of fifth bits (byte l, bit j: element l of block j), then the nibbles (byte l of the c-th
+# 32: element l of block 2c low, of block 2c + 1 high). The same bits, moved: a group's
+# codes then come out of a shift and masks where the file's layout took a byte shuffle and
+# a compare per block, and 8 scales out of one load. A row's last blocks short of 8 stay
+# as the file has them.
+Q5_0_GROUP_BYTES = 8 * 22
+
+
+def _q5_0_groups(b: np.ndarray) -> int:
+    return b.shape[1] // Q5_0_GROUP_BYTES
+
+
+def _q5_0_to_kernel(b: np.ndarray) -> np.ndarray:  # [rows, row bytes] -> the same, moved
+    rows, n = b.shape[0], _q5_0_groups(b)
+    if n == 0:
+        return b
+    blk = b[:, : n * Q5_0_GROUP_BYTES].reshape(rows, n, 8, 22)
+    d = blk[..., 0:2].reshape(rows, n, 16)
+    qh = np.ascontiguousarray(blk[..., 2:6]).view(np.uint32)[..., 0]  # [rows, n, 8], LE
+    bits = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    plane = (bits << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=2, dtype=np.uint8)
+    codes = _lo_hi(blk[..., 6:22].reshape(-1, 16), 16).reshape(rows, n, 4, 2, 32)
+    qs = (codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)).reshape(rows, n, 128)
+    out = b.copy()
+    out[:, : n * Q5_0_GROUP_BYTES] = np.concatenate([d, plane, qs], axis=2).reshape(rows, -1)
+    return out
+
+
+def _q5_0_to_file(b: np.ndarray) -> np.ndarray:  # _q5_0_to_kernel's inverse
+    rows, n = b.shape[0], _q5_0_groups(b)
+    if n == 0:
+        return b
+    g = b[:, : n * Q5_0_GROUP_BYTES].reshape(rows, n, Q5_0_GROUP_BYTES)
+    d = g[..., 0:16].reshape(rows, n, 8, 2)
+    bits = (g[..., None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [.., j, l]
+    qh = (bits.astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(axis=3,
+                                                                        dtype=np.uint32)
+    qs = g[..., 48:].reshape(rows, n, 4, 1, 32)
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(rows, n, 8, 32)
+    nibbles = codes[..., :16] | (codes[..., 16:] << 4)
+    qh_bytes = np.ascontiguousarray(qh)[..., None].view(np.uint8)  # [rows, n, 8, 4]
+    out = b.copy()
+    out[:, : n * Q5_0_GROUP_BYTES] = np.concatenate([d, qh_bytes, nibbles],
+                                                    axis=3).reshape(rows, -1)
+    return out
+
+
+def kernel_order(fmt: gguf.GGMLQuantizationType, b: np.ndarray) -> np.ndarray:
+    """A stored format's rows ([rows, row bytes] uint8) as the file has them -> as the
+    kernels read them (Q5_0: the groups above; every other format: as they are)."""
+    return _q5_0_to_kernel(b) if fmt == T.Q5_0 else b
+
+
+def file_order(fmt: gguf.GGMLQuantizationType, b: np.ndarray) -> np.ndarray:
+    """kernel_order's inverse."""
+    return _q5_0_to_file(b) if fmt == T.Q5_0 else b
+
+
 @dataclass
 class StoredRows:
-    """[N, K] weights as a GGUF tensor's blocks exactly as stored: `raw` [N, K / QK *
-    block bytes] uint8, row n its blocks back to back (a GGUF tensor's rows already are),
-    so reordering or stacking rows is reordering or stacking `raw`'s."""
+    """[N, K] weights as a GGUF tensor's blocks: `raw` [N, K / QK * block bytes] uint8, row
+    n its blocks back to back (a GGUF tensor's rows already are) in `kernel_order`, so
+    reordering or stacking rows is reordering or stacking `raw`'s. `stored` builds one
+    from a file's bytes."""
 
     raw: torch.Tensor
     fmt: gguf.GGMLQuantizationType
@@ -156,7 +218,8 @@ class StoredRows:
         """The same weights as codes and group scales (exact), decoded a slice of rows at a
         time (a K-quant head's 128k rows whole made about twice its codes in temporaries)."""
         b = self.raw.numpy()
-        return _decode_in_slices(b, self.fmt, *self.shape, _slices(b), lambda lo, hi: None)
+        return _decode_in_slices(b, self.fmt, *self.shape, _slices(b), lambda lo, hi: None,
+                                 lambda rows: file_order(self.fmt, rows))
 
     def dequantize(self) -> torch.Tensor:  # [N, K] fp32, the gguf package's values
         return self.groups().dequantize()
@@ -241,7 +304,7 @@ def stored(raw: np.ndarray, kind: gguf.GGMLQuantizationType, rows: int, cols: in
     if kind in STORED_KINDS:
         data = np.empty_like(b)
         for lo, hi in spans:
-            data[lo:hi] = b[lo:hi]
+            data[lo:hi] = kernel_order(kind, b[lo:hi])
             read(lo, hi)
         return StoredRows(torch.from_numpy(data), kind, cols)
     if kind == T.Q4_1:
@@ -260,14 +323,16 @@ def _slices(b: np.ndarray) -> list[tuple[int, int]]:
 
 
 def _decode_in_slices(b: np.ndarray, kind: gguf.GGMLQuantizationType, rows: int, cols: int,
-                      spans: list[tuple[int, int]],
-                      read: Callable[[int, int], None]) -> GroupWeights:
-    """`decode` of [rows, row bytes] blocks a slice of rows at a time, into one result."""
+                      spans: list[tuple[int, int]], read: Callable[[int, int], None],
+                      to_file: Callable[[np.ndarray], np.ndarray] = lambda rows: rows,
+                      ) -> GroupWeights:
+    """`decode` of [rows, row bytes] blocks a slice of rows at a time, into one result
+    (each slice first through `to_file`: a StoredRows' bytes back in the file's order)."""
     if not spans:  # no rows
         return decode(b, kind, rows, cols)
     out: GroupWeights | None = None
     for lo, hi in spans:
-        part = decode(b[lo:hi], kind, hi - lo, cols)
+        part = decode(to_file(b[lo:hi]), kind, hi - lo, cols)
         if out is None:
             def like(t: torch.Tensor) -> torch.Tensor:
                 return torch.empty((rows, *t.shape[1:]), dtype=t.dtype)

@@ -125,8 +125,9 @@ constexpr int64_t kNumWeightKinds = 10;  // the layouts a QLinear is constructed
 //        q + min). GGUF's Q8_0 blocks map onto it exactly, as do the other formats'
 //        codes (a tied head, or a fused layer of parts none of which is read as stored).
 //   Q4_K, Q5_K, Q6_K, Q5_0, Q5_1: uint8 [N, K / QK * block bytes], each row GGUF's blocks
-//        of that format exactly as the file stores them (see stored_blocks.cpp): decode
-//        reads 4.5 to 6.6 bits a weight, not the 8 + scales of Q8B.
+//        of that format as the file stores them (see stored_blocks.cpp; Q5_0's bits moved
+//        within each 8 blocks of a row: kvloop.quant.stored.kernel_order): decode reads
+//        4.5 to 6.6 bits a weight, not the 8 + scales of Q8B.
 // Quantized kinds use int8 activations (quantize_acts), or int16 ones (quantize_acts16)
 // where wide_acts; F32 keeps fp32.
 struct QLinear {

@@ -2,6 +2,8 @@
 // the formats of Q4_K_M files) and Q5_0, Q5_1 (32 a block). A row of such a layer is its
 // blocks back to back, so a decode step reads 4.5 (Q4_K) to 6.6 (Q6_K) bits a weight,
 // where the same weights as Q8B (int8 codes plus group scales, exact too) cost 8.5 to 10.
+// Q5_0 rows come with each 8 blocks' bytes moved into one group laid out as a Q5_K block
+// (kQ5_0x8, kvloop.quant.stored.kernel_order): its codes then unpack as Q5_K's do.
 //
 // Every format is the same thing underneath: per group of 32 weights (16 for Q6_K's
 // scales), unsigned codes u and w = s * u + mn in fp32 (s * u exact: see
@@ -39,16 +41,51 @@ template <> struct Traits<WeightKind::Q5_K> { static constexpr int64_t QK = 256,
 template <> struct Traits<WeightKind::Q6_K> { static constexpr int64_t QK = 256, BYTES = 210, SUB = 16, BITS = 6; };
 template <> struct Traits<WeightKind::Q5_0> { static constexpr int64_t QK = 32, BYTES = 22, SUB = 32, BITS = 5; };
 template <> struct Traits<WeightKind::Q5_1> { static constexpr int64_t QK = 32, BYTES = 24, SUB = 32, BITS = 5; };
+// 8 Q5_0 blocks of a row as kernel_order groups them: their 8 fp16 scales (16 bytes), a
+// plane of fifth bits (32 bytes: byte l, bit j is element l of block j: Q5_K's qh), the
+// nibbles (128 bytes: Q5_K's qs, element l of block 2c and 2c + 1 in byte 32c + l). A
+// layout of this file only, not a kind a QLinear is built with.
+constexpr WeightKind kQ5_0x8 = static_cast<WeightKind>(100);
+template <> struct Traits<kQ5_0x8> { static constexpr int64_t QK = 256, BYTES = 176, SUB = 32, BITS = 5; };
+
+template <WeightKind K>
+using Layout = std::integral_constant<WeightKind, K>;
+
+// f(layout, blocks, first byte, first group of 32) for each run of one block layout along
+// a row of kind K: a Q5_0 row's groups of 8 blocks, then its blocks short of 8 as stored.
+template <WeightKind K, typename F>
+inline void for_each_run(int64_t in_features, F&& f) {
+  if constexpr (K == WeightKind::Q5_0) {
+    const int64_t blocks = in_features / Traits<K>::QK, n = blocks / 8;
+    f(Layout<kQ5_0x8>{}, n, int64_t{0}, int64_t{0});
+    f(Layout<K>{}, blocks - 8 * n, n * Traits<kQ5_0x8>::BYTES, 8 * n);
+  } else {
+    f(Layout<K>{}, in_features / Traits<K>::QK, int64_t{0}, int64_t{0});
+  }
+}
+
+// How many blocks for_each_run visits along a row.
+template <WeightKind K>
+int64_t run_blocks(int64_t in_features) {
+  const int64_t blocks = in_features / Traits<K>::QK;
+  return K == WeightKind::Q5_0 ? blocks / 8 + blocks % 8 : blocks;
+}
+
+// Q5_K's code layout: Q5_K itself and the Q5_0 groups.
+template <WeightKind K>
+constexpr bool kQ5KCodes = K == WeightKind::Q5_K || K == kQ5_0x8;
 
 // The GEMM's codes are u - kCodeShift (unpack_t: Q5_0's and Q6_K's mins folded in).
 template <WeightKind K>
-constexpr int kCodeShift = K == WeightKind::Q6_K ? 32 : K == WeightKind::Q5_0 ? 16 : 0;
+constexpr int kCodeShift = K == WeightKind::Q6_K ? 32
+                           : K == WeightKind::Q5_0 || K == kQ5_0x8 ? 16
+                                                                    : 0;
 // The largest |code| of the GEMM's codes: u in [0, 2^BITS), minus kCodeShift.
 template <WeightKind K>
 constexpr int kMaxCode = std::max<int>(kCodeShift<K>, (1 << Traits<K>::BITS) - 1 - kCodeShift<K>);
 static_assert(kMaxCode<WeightKind::Q4_K> == 15 && kMaxCode<WeightKind::Q5_K> == 31 &&
               kMaxCode<WeightKind::Q6_K> == 32 && kMaxCode<WeightKind::Q5_0> == 16 &&
-              kMaxCode<WeightKind::Q5_1> == 31);
+              kMaxCode<WeightKind::Q5_1> == 31 && kMaxCode<kQ5_0x8> == 16);
 
 inline float f16_at(const uint8_t* p) {
   uint16_t h;
@@ -77,6 +114,11 @@ inline void block_factors(const uint8_t* b, float* s, float* mn) {
   if constexpr (K == WeightKind::Q5_0) {
     s[0] = f16_at(b);
     mn[0] = -16.f * s[0];  // w = d (u - 16)
+  } else if constexpr (K == kQ5_0x8) {
+    for (int j = 0; j < 8; ++j) {
+      s[j] = f16_at(b + 2 * j);
+      mn[j] = -16.f * s[j];
+    }
   } else if constexpr (K == WeightKind::Q5_1) {
     s[0] = f16_at(b);
     mn[0] = f16_at(b + 2);
@@ -109,7 +151,7 @@ inline void unpack_codes(const uint8_t* b, uint8_t* u) {
       u[j] = (qs[j] & 0x0F) | (((qh >> j) & 1) << 4);
       u[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
     }
-  } else if constexpr (K == WeightKind::Q4_K || K == WeightKind::Q5_K) {
+  } else if constexpr (K == WeightKind::Q4_K || kQ5KCodes<K>) {
     // 32 bytes per 64 weights: low nibbles the first 32, high nibbles the next; Q5_K's
     // fifth bit of element l of group g is bit g of qh[l].
     const uint8_t* qh = b + 16;
@@ -117,7 +159,7 @@ inline void unpack_codes(const uint8_t* b, uint8_t* u) {
     for (int c = 0; c < 4; ++c)
       for (int l = 0; l < 32; ++l) {
         int lo = qs[32 * c + l] & 0x0F, hi = qs[32 * c + l] >> 4;
-        if constexpr (K == WeightKind::Q5_K) {
+        if constexpr (kQ5KCodes<K>) {
           lo |= ((qh[l] >> (2 * c)) & 1) << 4;
           hi |= ((qh[l] >> (2 * c + 1)) & 1) << 4;
         }
@@ -180,13 +222,13 @@ inline __m256i group_codes(const uint8_t* b) {
     const __m256i lohi = _mm256_and_si256(
         _mm256_srlv_epi64(raw, _mm256_setr_epi64x(0, 0, 4, 4)), nib);
     return _mm256_or_si256(lohi, fifth_bits(qh));
-  } else if constexpr (K == WeightKind::Q4_K || K == WeightKind::Q5_K) {
+  } else if constexpr (K == WeightKind::Q4_K || kQ5KCodes<K>) {
     // 32 bytes per 64 weights: low nibbles the first 32, high nibbles the next; Q5_K's
     // fifth bit of element l of group g is bit g of qh[l].
     const uint8_t* qs = b + (K == WeightKind::Q4_K ? 16 : 48);
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (g / 2)));
     __m256i u = _mm256_and_si256(g % 2 == 0 ? raw : _mm256_srli_epi16(raw, 4), nib);
-    if constexpr (K == WeightKind::Q5_K)
+    if constexpr (kQ5KCodes<K>)
       u = _mm256_or_si256(
           u, bit_to_16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)), g));
     return u;
@@ -244,6 +286,18 @@ inline void k_factors(const uint8_t* b, __m256& s, __m256& mn) {
                      _mm256_set1_ps(-0.f));  // -(dmin * m), exactly as block_factors
 }
 
+// Any layout of 8 groups a block with one scale and min each (Q4_K, Q5_K, the Q5_0
+// groups): block_factors' values as vectors.
+template <WeightKind K>
+inline void group_factors(const uint8_t* b, __m256& s, __m256& mn) {
+  if constexpr (K == kQ5_0x8) {
+    s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+    mn = _mm256_mul_ps(_mm256_set1_ps(-16.f), s);
+  } else {
+    k_factors(b, s, mn);
+  }
+}
+
 #endif
 
 // Weight rows n..n+R against activation rows m0..m0+C: C = kCols activation rows of a
@@ -256,12 +310,9 @@ inline void k_factors(const uint8_t* b, __m256& s, __m256& mn) {
 template <int C, int R, WeightKind K>
 void rows_stored(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, int64_t m0,
                  float* Y) {
-  using T = Traits<K>;
-  constexpr int64_t G = T::QK / kGroup, S = T::QK / T::SUB;
   constexpr int I = C * R;  // pairs, i = c * R + r
-  constexpr bool kSigned = K == WeightKind::Q6_K;  // signed codes, no min term
-  const int64_t Kd = A.K, nb = Kd / kGroup, blocks = Kd / T::QK;
-  const int64_t row_bytes = blocks * T::BYTES;
+  const int64_t Kd = A.K, nb = Kd / kGroup;
+  const int64_t row_bytes = Kd / Traits<K>::QK * Traits<K>::BYTES;
   const uint8_t* rows[R];
   KVLOOP_UNROLL
   for (int r = 0; r < R; ++r) rows[r] = W + (n + r) * row_bytes;
@@ -269,110 +320,126 @@ void rows_stored(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n,
   KVLOOP_UNROLL
   for (int i = 0; i < I; ++i) out[i] = 0.f;
 #ifdef __AVX2__
-  RowPrefetch pf(rows[0], R * row_bytes, blocks);  // R > 1 only: see RowPrefetch
+  RowPrefetch pf(rows[0], R * row_bytes, run_blocks<K>(Kd));  // R > 1 only: see RowPrefetch
   // Two accumulators per pair (even and odd groups) keep FMA chains in flight.
-  __m256 acc[2][I], zp[I];  // zp: the min terms, Q4_K / Q5_K
+  __m256 acc[2][I], zp[I];  // zp: the min terms, but Q6_K's
   KVLOOP_UNROLL
   for (int i = 0; i < I; ++i) acc[0][i] = acc[1][i] = zp[i] = _mm256_setzero_ps();
   // Per pair, the block's factor of each dot product: weight scale x activation scale per
   // group of 32 (Q6_K: per 16, two to a group), read back broadcast (or in pairs).
-  alignas(32) float fac[I][S < 8 ? 8 : S];
-  for (int64_t bi = 0; bi < blocks; ++bi) {
-    if constexpr (R > 1) pf.next();
-    const int64_t g0 = bi * G;  // the block's first group of 32 along the row
-    KVLOOP_UNROLL
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* b = rows[r] + bi * T::BYTES;
-      if constexpr (kSigned) {
-        // 16 int8 scales times d, as block_factors: two vectors of 8 (groups 0-3, 4-7).
-        const __m256 d = _mm256_set1_ps(f16_at(b + 208));
-        const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
-        const __m256 s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
-        const __m256 s1 = _mm256_mul_ps(
-            d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
-        KVLOOP_UNROLL
-        for (int c = 0; c < C; ++c) {
-          const __m256 dx = _mm256_loadu_ps(A.d.data() + (m0 + c) * nb + g0);
-          const __m256i lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
-          const __m256i hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
-          float* f = fac[c * R + r];
-          _mm256_store_ps(f, _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(dx, lo)));
-          _mm256_store_ps(f + 8, _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(dx, hi)));
-        }
-      } else if constexpr (G == 8) {  // Q4_K / Q5_K
-        __m256 sv, mv;
-        k_factors(b, sv, mv);
-        KVLOOP_UNROLL
-        for (int c = 0; c < C; ++c) {
-          const int64_t o = (m0 + c) * nb + g0;
-          _mm256_store_ps(fac[c * R + r], _mm256_mul_ps(sv, _mm256_loadu_ps(A.d.data() + o)));
-          zp[c * R + r] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(A.s.data() + o), zp[c * R + r]);
-        }
-      } else {  // Q5_0 / Q5_1: one group
-        float s, mn;
-        block_factors<K>(b, &s, &mn);
-        KVLOOP_UNROLL
-        for (int c = 0; c < C; ++c) {
-          const int64_t o = (m0 + c) * nb + g0;
-          // fused explicitly: contracted or not, the compiler's choice differed between
-          // the 4-row and the batched forms, and with it the results' last bits
-          out[c * R + r] = std::fma(mn, A.s[o], out[c * R + r]);
-          fac[c * R + r][0] = s * A.d[o];
-        }
-      }
-    }
-    for_each_index<static_cast<int>(G)>([&](auto g) {
-      __m256i x[C];
-      KVLOOP_UNROLL
-      for (int c = 0; c < C; ++c)
-        x[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-            A.q.data() + (m0 + c) * Kd + (g0 + g) * kGroup));
+  alignas(32) float fac[I][16];
+  for_each_run<K>(Kd, [&](auto layout, int64_t blocks, int64_t byte0, int64_t group0) {
+    constexpr WeightKind KB = decltype(layout)::value;
+    using T = Traits<KB>;
+    constexpr int64_t G = T::QK / kGroup;
+    constexpr bool kSigned = KB == WeightKind::Q6_K;  // signed codes, no min term
+    for (int64_t bi = 0; bi < blocks; ++bi) {
+      if constexpr (R > 1) pf.next();
+      const int64_t at = byte0 + bi * T::BYTES;
+      const int64_t g0 = group0 + bi * G;  // the block's first group of 32 along the row
       KVLOOP_UNROLL
       for (int r = 0; r < R; ++r) {
-        const __m256i u = group_codes<K, decltype(g)::value>(rows[r] + bi * T::BYTES);
-        __m256i w = u, aw = u;
+        const uint8_t* b = rows[r] + at;
         if constexpr (kSigned) {
-          w = _mm256_sub_epi8(u, _mm256_set1_epi8(32));
-          aw = _mm256_sign_epi8(w, w);  // |w| as u8; w's sign moves onto x
-        }
-        KVLOOP_UNROLL
-        for (int c = 0; c < C; ++c) {
-          const int i = c * R + r;
-          const __m256i xs = kSigned ? _mm256_sign_epi8(x[c], w) : x[c];
-          // lanes 0-3 hold the dot product's first 16 weights, 4-7 its last 16: Q6_K's two
-          // scales of the group
-          const __m256 f =
-              kSigned ? pair_factors(&fac[i][2 * g]) : _mm256_broadcast_ss(&fac[i][g]);
-          acc[g & 1][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(aw, xs)), f, acc[g & 1][i]);
+          // 16 int8 scales times d, as block_factors: two vectors of 8 (groups 0-3, 4-7).
+          const __m256 d = _mm256_set1_ps(f16_at(b + 208));
+          const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
+          const __m256 s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+          const __m256 s1 = _mm256_mul_ps(
+              d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8))));
+          KVLOOP_UNROLL
+          for (int c = 0; c < C; ++c) {
+            const __m256 dx = _mm256_loadu_ps(A.d.data() + (m0 + c) * nb + g0);
+            const __m256i lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3);
+            const __m256i hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+            float* f = fac[c * R + r];
+            _mm256_store_ps(f, _mm256_mul_ps(s0, _mm256_permutevar8x32_ps(dx, lo)));
+            _mm256_store_ps(f + 8, _mm256_mul_ps(s1, _mm256_permutevar8x32_ps(dx, hi)));
+          }
+        } else if constexpr (G == 8) {  // Q4_K, Q5_K, the Q5_0 groups
+          __m256 sv, mv;
+          group_factors<KB>(b, sv, mv);
+          KVLOOP_UNROLL
+          for (int c = 0; c < C; ++c) {
+            const int64_t o = (m0 + c) * nb + g0;
+            _mm256_store_ps(fac[c * R + r],
+                            _mm256_mul_ps(sv, _mm256_loadu_ps(A.d.data() + o)));
+            zp[c * R + r] =
+                _mm256_fmadd_ps(mv, _mm256_loadu_ps(A.s.data() + o), zp[c * R + r]);
+          }
+        } else {  // Q5_0 / Q5_1 blocks: one group
+          float s, mn;
+          block_factors<KB>(b, &s, &mn);
+          KVLOOP_UNROLL
+          for (int c = 0; c < C; ++c) {
+            const int64_t o = (m0 + c) * nb + g0;
+            // fused explicitly: contracted or not, the compiler's choice differed between
+            // the 4-row and the batched forms, and with it the results' last bits
+            out[c * R + r] = std::fma(mn, A.s[o], out[c * R + r]);
+            fac[c * R + r][0] = s * A.d[o];
+          }
         }
       }
-    });
-  }
+      for_each_index<static_cast<int>(G)>([&](auto g) {
+        __m256i x[C];
+        KVLOOP_UNROLL
+        for (int c = 0; c < C; ++c)
+          x[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+              A.q.data() + (m0 + c) * Kd + (g0 + g) * kGroup));
+        KVLOOP_UNROLL
+        for (int r = 0; r < R; ++r) {
+          const __m256i u = group_codes<KB, decltype(g)::value>(rows[r] + at);
+          __m256i w = u, aw = u;
+          if constexpr (kSigned) {
+            w = _mm256_sub_epi8(u, _mm256_set1_epi8(32));
+            aw = _mm256_sign_epi8(w, w);  // |w| as u8; w's sign moves onto x
+          }
+          KVLOOP_UNROLL
+          for (int c = 0; c < C; ++c) {
+            const int i = c * R + r;
+            const __m256i xs = kSigned ? _mm256_sign_epi8(x[c], w) : x[c];
+            // lanes 0-3 hold the dot product's first 16 weights, 4-7 its last 16: Q6_K's
+            // two scales of the group
+            const __m256 f =
+                kSigned ? pair_factors(&fac[i][2 * g]) : _mm256_broadcast_ss(&fac[i][g]);
+            acc[g & 1][i] =
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(aw, xs)), f, acc[g & 1][i]);
+          }
+        }
+      });
+    }
+  });
   KVLOOP_UNROLL
   for (int i = 0; i < I; ++i)
     out[i] += hsum(_mm256_add_ps(_mm256_add_ps(acc[0][i], acc[1][i]), zp[i]));
 #else
-  for (int r = 0; r < R; ++r)
-    for (int64_t bi = 0; bi < blocks; ++bi) {
-      const uint8_t* b = rows[r] + bi * T::BYTES;
-      const int64_t g0 = bi * G;  // the block's first group of 32 along the row
-      float s[S], mn[S];
-      block_factors<K>(b, s, mn);
-      uint8_t u[T::QK];
-      unpack_codes<K>(b, u);
-      for (int c = 0; c < C; ++c) {
-        float& o = out[c * R + r];
-        if constexpr (!kSigned)
-          for (int64_t g = 0; g < G; ++g) o += mn[g] * A.s[(m0 + c) * nb + g0 + g];
-        for (int64_t i = 0; i < S; ++i) {  // per scale: SUB weights
-          const int8_t* x = A.q.data() + (m0 + c) * Kd + g0 * kGroup + i * T::SUB;
-          int32_t dot = 0;
-          for (int64_t j = 0; j < T::SUB; ++j)
-            dot += (int32_t(u[i * T::SUB + j]) - (kSigned ? 32 : 0)) * int32_t(x[j]);
-          o += float(dot) * s[i] * A.d[(m0 + c) * nb + g0 + i * T::SUB / kGroup];
+  for_each_run<K>(Kd, [&](auto layout, int64_t blocks, int64_t byte0, int64_t group0) {
+    constexpr WeightKind KB = decltype(layout)::value;
+    using T = Traits<KB>;
+    constexpr int64_t G = T::QK / kGroup, S = T::QK / T::SUB;
+    constexpr bool kSigned = KB == WeightKind::Q6_K;
+    for (int r = 0; r < R; ++r)
+      for (int64_t bi = 0; bi < blocks; ++bi) {
+        const uint8_t* b = rows[r] + byte0 + bi * T::BYTES;
+        const int64_t g0 = group0 + bi * G;  // the block's first group of 32 along the row
+        float s[S], mn[S];
+        block_factors<KB>(b, s, mn);
+        uint8_t u[T::QK];
+        unpack_codes<KB>(b, u);
+        for (int c = 0; c < C; ++c) {
+          float& o = out[c * R + r];
+          if constexpr (!kSigned)
+            for (int64_t g = 0; g < G; ++g) o += mn[g] * A.s[(m0 + c) * nb + g0 + g];
+          for (int64_t i = 0; i < S; ++i) {  // per scale: SUB weights
+            const int8_t* x = A.q.data() + (m0 + c) * Kd + g0 * kGroup + i * T::SUB;
+            int32_t dot = 0;
+            for (int64_t j = 0; j < T::SUB; ++j)
+              dot += (int32_t(u[i * T::SUB + j]) - (kSigned ? 32 : 0)) * int32_t(x[j]);
+            o += float(dot) * s[i] * A.d[(m0 + c) * nb + g0 + i * T::SUB / kGroup];
+          }
         }
       }
-    }
+  });
 #endif
   for (int c = 0; c < C; ++c)
     for (int r = 0; r < R; ++r) Y[(m0 + c) * N + n + r] = out[c * R + r];
@@ -389,35 +456,41 @@ void rows_t(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m1, in
 
 template <WeightKind K>
 void decode_t(const QLinear& L, int64_t n, float* out) {
-  using T = Traits<K>;
-  const int64_t blocks = L.in_features / T::QK;
-  const uint8_t* row = L.weight.data_ptr<uint8_t>() + n * blocks * T::BYTES;
-  float s[T::QK / T::SUB], mn[T::QK / T::SUB];
-  for (int64_t bi = 0; bi < blocks; ++bi) {
-    const uint8_t* b = row + bi * T::BYTES;
-    block_factors<K>(b, s, mn);
-    float* o = out + bi * T::QK;
-    // s * u is exact in fp32, so the fused multiply-add rounds once, as the sum does.
+  const uint8_t* row = L.weight.data_ptr<uint8_t>() +
+                       n * (L.in_features / Traits<K>::QK * Traits<K>::BYTES);
+  for_each_run<K>(L.in_features, [&](auto layout, int64_t blocks, int64_t byte0,
+                                     int64_t group0) {
+    constexpr WeightKind KB = decltype(layout)::value;
+    using T = Traits<KB>;
+    float s[T::QK / T::SUB], mn[T::QK / T::SUB];
+    for (int64_t bi = 0; bi < blocks; ++bi) {
+      const uint8_t* b = row + byte0 + bi * T::BYTES;
+      block_factors<KB>(b, s, mn);
+      float* o = out + group0 * kGroup + bi * T::QK;
+      // s * u is exact in fp32, so the fused multiply-add rounds once, as the sum does.
 #ifdef __AVX2__
-    // The codes as the kernel unpacks them, 8 at a time to fp32: a batched step decodes
-    // every weight of the layer (prefill, large decode batches), so this runs at GEMM rates.
-    for_each_group<K>(b, [&](int64_t g, __m256i u) {
-      for (int j = 0; j < 4; ++j) {
-        const int64_t sub = (g * kGroup + 8 * j) / T::SUB;
-        const __m128i u8 = j < 2 ? _mm256_castsi256_si128(u) : _mm256_extracti128_si256(u, 1);
-        const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-            j % 2 == 0 ? u8 : _mm_srli_si128(u8, 8)));
-        _mm256_storeu_ps(o + g * kGroup + 8 * j,
-                         _mm256_fmadd_ps(f, _mm256_set1_ps(s[sub]), _mm256_set1_ps(mn[sub])));
-      }
-    });
+      // The codes as the kernel unpacks them, 8 at a time to fp32: a batched step decodes
+      // every weight of the layer (prefill, large decode batches), so this runs at GEMM
+      // rates.
+      for_each_group<KB>(b, [&](int64_t g, __m256i u) {
+        for (int j = 0; j < 4; ++j) {
+          const int64_t sub = (g * kGroup + 8 * j) / T::SUB;
+          const __m128i u8 =
+              j < 2 ? _mm256_castsi256_si128(u) : _mm256_extracti128_si256(u, 1);
+          const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+              j % 2 == 0 ? u8 : _mm_srli_si128(u8, 8)));
+          _mm256_storeu_ps(o + g * kGroup + 8 * j, _mm256_fmadd_ps(f, _mm256_set1_ps(s[sub]),
+                                                                   _mm256_set1_ps(mn[sub])));
+        }
+      });
 #else
-    uint8_t u[T::QK];
-    unpack_codes<K>(b, u);
-    for (int64_t k = 0; k < T::QK; ++k)
-      o[k] = s[k / T::SUB] * static_cast<float>(u[k]) + mn[k / T::SUB];
+      uint8_t u[T::QK];
+      unpack_codes<KB>(b, u);
+      for (int64_t k = 0; k < T::QK; ++k)
+        o[k] = s[k / T::SUB] * static_cast<float>(u[k]) + mn[k / T::SUB];
 #endif
-  }
+    }
+  });
 }
 
 #ifdef __AVX2__
@@ -461,48 +534,55 @@ inline void block_corrections(const __m256i* sums, int32_t* corr) {
 // codes, which then need no min term.
 template <WeightKind K>
 void unpack_t(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn, int32_t* corr) {
-  using T = Traits<K>;
-  constexpr int64_t S = T::QK / T::SUB, G = T::QK / kGroup;
-  constexpr int kShift = kCodeShift<K>;
-  const int64_t blocks = L.in_features / T::QK;
-  const uint8_t* row = L.weight.data_ptr<uint8_t>() + n * blocks * T::BYTES;
-  for (int64_t bi = 0; bi < blocks; ++bi) {
-    const uint8_t* b = row + bi * T::BYTES;
+  const uint8_t* row = L.weight.data_ptr<uint8_t>() +
+                       n * (L.in_features / Traits<K>::QK * Traits<K>::BYTES);
+  for_each_run<K>(L.in_features, [&](auto layout, int64_t blocks, int64_t byte0,
+                                     int64_t group0) {
+    constexpr WeightKind KB = decltype(layout)::value;
+    using T = Traits<KB>;
+    constexpr int64_t S = T::QK / T::SUB, G = T::QK / kGroup;
+    constexpr int kShift = kCodeShift<KB>;
+    for (int64_t bi = 0; bi < blocks; ++bi) {
+      const uint8_t* b = row + byte0 + bi * T::BYTES;
+      const int64_t k0 = group0 * kGroup + bi * T::QK;  // the block's first weight
+      float* bs = sc + k0 / T::SUB;
+      float* bm = mn + k0 / kGroup;
 #ifdef __AVX2__
-    if constexpr (K == WeightKind::Q4_K || K == WeightKind::Q5_K) {
-      __m256 sv, mv;  // the vector unpacking of the 6-bit fields: the scalar one cost as
-      k_factors(b, sv, mv);  // much as the rest of the block
-      _mm256_storeu_ps(sc + bi * S, sv);
-      _mm256_storeu_ps(mn + bi * G, mv);
-    } else
+      if constexpr (G == 8 && T::SUB == kGroup) {  // Q4_K, Q5_K, the Q5_0 groups
+        __m256 sv, mv;  // the vector unpacking of Q4_K's 6-bit fields: the scalar one cost
+        group_factors<KB>(b, sv, mv);  // as much as the rest of the block
+        _mm256_storeu_ps(bs, sv);
+        if constexpr (kShift == 0) _mm256_storeu_ps(bm, mv);
+      } else
 #endif
-    {
-      float s[S], m[S];
-      block_factors<K>(b, s, m);
-      for (int64_t i = 0; i < S; ++i) sc[bi * S + i] = s[i];
-      if constexpr (kShift == 0)
-        for (int64_t g = 0; g < G; ++g) mn[bi * G + g] = m[g];
-    }
-    int8_t* o = codes + bi * T::QK;
-    int32_t* x = corr + bi * S;  // -128 * sum of each scale's codes: sum(u) - kShift * SUB
+      {
+        float s[S], m[S];
+        block_factors<KB>(b, s, m);
+        for (int64_t i = 0; i < S; ++i) bs[i] = s[i];
+        if constexpr (kShift == 0)
+          for (int64_t g = 0; g < G; ++g) bm[g] = m[g];
+      }
+      int8_t* o = codes + k0;
+      int32_t* x = corr + k0 / T::SUB;  // -128 * sum of each scale's codes: sum(u) - kShift * SUB
 #ifdef __AVX2__
-    // Per group, 8 lanes of sums of 4 codes (lanes 0-3: its first 16 codes); the groups'
-    // horizontal sums then all at once below (a third of the instructions of one each).
-    __m256i sums[G];
-    for_each_group<K>(b, [&](int64_t g, __m256i u) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + g * kGroup),
-                          _mm256_sub_epi8(u, _mm256_set1_epi8(kShift)));
-      sums[g] = _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_set1_epi8(1)),
-                                  _mm256_set1_epi16(1));
-    });
-    block_corrections<T::SUB, G, kShift>(sums, x);
+      // Per group, 8 lanes of sums of 4 codes (lanes 0-3: its first 16 codes); the groups'
+      // horizontal sums then all at once below (a third of the instructions of one each).
+      __m256i sums[G];
+      for_each_group<KB>(b, [&](int64_t g, __m256i u) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + g * kGroup),
+                            _mm256_sub_epi8(u, _mm256_set1_epi8(kShift)));
+        sums[g] = _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_set1_epi8(1)),
+                                    _mm256_set1_epi16(1));
+      });
+      block_corrections<T::SUB, G, kShift>(sums, x);
 #else
-    uint8_t u[T::QK];
-    unpack_codes<K>(b, u);
-    for (int64_t k = 0; k < T::QK; ++k) o[k] = static_cast<int8_t>(u[k] - kShift);
-    code_corrections(o, T::QK, T::SUB, x);
+      uint8_t u[T::QK];
+      unpack_codes<KB>(b, u);
+      for (int64_t k = 0; k < T::QK; ++k) o[k] = static_cast<int8_t>(u[k] - kShift);
+      code_corrections(o, T::QK, T::SUB, x);
 #endif
-  }
+    }
+  });
 }
 
 // `case` labels for each stored kind, running CALL(kind) (a compile-time argument).
