@@ -149,38 +149,52 @@ def _q5_0_groups(b: np.ndarray) -> int:
     return b.shape[1] // Q5_0_GROUP_BYTES
 
 
+def _transpose_bits(x: np.ndarray) -> np.ndarray:
+    """Each uint64 of x as an 8 x 8 bit matrix (byte i: row i, bit j: column j), transposed:
+    three rounds of swapping off-diagonal blocks (2 x 2 bits, then 4 x 4, then 8 x 8 within
+    the word). 20x numpy's unpackbits / packbits round trip on Gemma 3's Q5_0 layers."""
+    for shift, mask in ((7, 0x00AA00AA00AA00AA), (14, 0x0000CCCC0000CCCC),
+                        (28, 0x00000000F0F0F0F0)):
+        t = (x ^ (x >> np.uint64(shift))) & np.uint64(mask)
+        x = x ^ t ^ (t << np.uint64(shift))
+    return x
+
+
 def _q5_0_to_kernel(b: np.ndarray) -> np.ndarray:  # [rows, row bytes] -> the same, moved
     rows, n = b.shape[0], _q5_0_groups(b)
-    if n == 0:
-        return b
-    blk = b[:, : n * Q5_0_GROUP_BYTES].reshape(rows, n, 8, 22)
-    d = blk[..., 0:2].reshape(rows, n, 16)
-    qh = np.ascontiguousarray(blk[..., 2:6]).view(np.uint32)[..., 0]  # [rows, n, 8], LE
-    bits = ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
-    plane = (bits << np.arange(8, dtype=np.uint8)[:, None]).sum(axis=2, dtype=np.uint8)
-    codes = _lo_hi(blk[..., 6:22].reshape(-1, 16), 16).reshape(rows, n, 4, 2, 32)
-    qs = (codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)).reshape(rows, n, 128)
     out = b.copy()
-    out[:, : n * Q5_0_GROUP_BYTES] = np.concatenate([d, plane, qs], axis=2).reshape(rows, -1)
+    if n == 0:
+        return out
+    blk = b[:, : n * Q5_0_GROUP_BYTES].reshape(rows, n, 8, 22)
+    g = out[:, : n * Q5_0_GROUP_BYTES].reshape(rows, n, Q5_0_GROUP_BYTES)
+    g[..., 0:16] = blk[..., 0:2].reshape(rows, n, 16)
+    # qh's bit l (little-endian) is element l: the 8 x 32 bit matrix transposed, as 4
+    # matrices of 8 x 8 (qh's byte k of each block: elements 8k..8k+7)
+    words = np.ascontiguousarray(blk[..., 2:6].swapaxes(-1, -2)).view(np.uint64)  # [.., 4, 1]
+    g[..., 16:48] = _transpose_bits(words).view(np.uint8).reshape(rows, n, 32)
+    # file byte i: element i low, 16 + i high; blocks 2c (a) and 2c + 1 (b) -> 32 bytes of
+    # element l of a low, of b high
+    q = blk[..., 6:22].reshape(rows, n, 4, 2, 16)
+    a, c = q[:, :, :, 0], q[:, :, :, 1]
+    g[..., 48:] = np.concatenate([(a & 0x0F) | (c << 4), (a >> 4) | (c & 0xF0)],
+                                 axis=-1).reshape(rows, n, 128)
     return out
 
 
 def _q5_0_to_file(b: np.ndarray) -> np.ndarray:  # _q5_0_to_kernel's inverse
     rows, n = b.shape[0], _q5_0_groups(b)
-    if n == 0:
-        return b
-    g = b[:, : n * Q5_0_GROUP_BYTES].reshape(rows, n, Q5_0_GROUP_BYTES)
-    d = g[..., 0:16].reshape(rows, n, 8, 2)
-    bits = (g[..., None, 16:48] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [.., j, l]
-    qh = (bits.astype(np.uint32) << np.arange(32, dtype=np.uint32)).sum(axis=3,
-                                                                        dtype=np.uint32)
-    qs = g[..., 48:].reshape(rows, n, 4, 1, 32)
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=3).reshape(rows, n, 8, 32)
-    nibbles = codes[..., :16] | (codes[..., 16:] << 4)
-    qh_bytes = np.ascontiguousarray(qh)[..., None].view(np.uint8)  # [rows, n, 8, 4]
     out = b.copy()
-    out[:, : n * Q5_0_GROUP_BYTES] = np.concatenate([d, qh_bytes, nibbles],
-                                                    axis=3).reshape(rows, -1)
+    if n == 0:
+        return out
+    g = b[:, : n * Q5_0_GROUP_BYTES].reshape(rows, n, Q5_0_GROUP_BYTES)
+    blk = out[:, : n * Q5_0_GROUP_BYTES].reshape(rows, n, 8, 22)
+    blk[..., 0:2] = g[..., 0:16].reshape(rows, n, 8, 2)
+    words = np.ascontiguousarray(g[..., 16:48]).view(np.uint64)  # [rows, n, 4]
+    blk[..., 2:6] = _transpose_bits(words).view(np.uint8).reshape(rows, n, 4, 8).swapaxes(-1, -2)
+    q = g[..., 48:].reshape(rows, n, 4, 2, 16)  # [..., c, (elements 0-15, 16-31), 16]
+    lo, hi = q[:, :, :, 0], q[:, :, :, 1]
+    blk[..., 6:22] = np.stack([(lo & 0x0F) | (hi << 4), (lo >> 4) | (hi & 0xF0)],
+                              axis=3).reshape(rows, n, 8, 16)
     return out
 
 
