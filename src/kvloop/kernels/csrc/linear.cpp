@@ -747,7 +747,7 @@ bool multi_row(const QLinear& L) {
     case WeightKind::Q4:
     case WeightKind::Q4F:
     // GGUF blocks as stored (stored_rows_at_once), but Q6_K: its 4-row kernel measured
-    // 5-8% slower than one row at a time (its factors and sign trick fill the registers).
+    // 0-5% slower than one row at a time (its factors and sign trick fill the registers).
     case WeightKind::Q4_K:
     case WeightKind::Q5_K:
     case WeightKind::Q5_0:
