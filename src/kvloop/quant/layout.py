@@ -89,6 +89,8 @@ def _apply(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
 
 
 def _fp16_exact(t: torch.Tensor) -> bool:
+    if t.dtype == torch.float16:
+        return True
     # A slice of rows at a time: whole, Gemma 3's 262k-row head made ~25 MiB of
     # temporaries at the load's peak.
     return all(torch.equal(s.half().float(), s) for s in t.split(2**15))
@@ -100,7 +102,7 @@ class GroupWeights:
     of `group` along K: w = scale * code + min, each product exact in fp32."""
 
     codes: torch.Tensor  # [N, K] int8 (4-bit codes in [0, 15], else in [-128, 127])
-    scales: torch.Tensor  # [N, K / group] fp32
+    scales: torch.Tensor  # [N, K / group] fp32, or fp16 where the file's are (Q8_0's d)
     mins: torch.Tensor | None  # [N, K / group] fp32, or None (w = scale * code)
     group: int  # 16 or 32
     bits: int  # 4 or 8
