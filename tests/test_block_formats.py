@@ -125,7 +125,8 @@ def test_q5_0_rows_group_8_blocks_as_q5_k_lays_out_its_codes() -> None:
 @pytest.mark.parametrize("kind", list(STORED_KINDS), ids=lambda k: k.name)
 def test_stored_rows_are_the_file_bytes_and_gguf_values(kind: T) -> None:
     """Formats the kernels read as stored keep the file's bytes (reordered and stacked by
-    rows); their weights are gguf's float32 exactly, in Python and as the kernel decodes."""
+    rows; Q5_0's bits moved within rows, and back); their weights are gguf's float32
+    exactly, in Python and as the kernel decodes."""
     rows, cols = 12, 768
     raw = random_blocks(kind, rows, cols, 4)
     w = stored(raw, kind, rows, cols)

@@ -21,7 +21,8 @@ import torch
 #   Q8B  int8 [N, K] codes with a scale per group of 16 or 32 (fp16 where every one is
 #        exact in fp16, else fp32), and optionally a min per group of 32
 #   5-9  GGUF's Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 blocks as the file stores them, [N, K / QK
-#        * block bytes] uint8 (kvloop.quant.stored.StoredRows, csrc/stored_blocks.cpp)
+#        * block bytes] uint8 (kvloop.quant.stored.StoredRows, csrc/stored_blocks.cpp;
+#        Q5_0's bits moved within each 8 blocks of a row: kernel_order)
 F32, Q8, Q4, Q4F, Q8B = 0, 1, 2, 3, 4
 STORED = {"Q4_K": 5, "Q5_K": 6, "Q6_K": 7, "Q5_0": 8, "Q5_1": 9}
 GROUP = 32
