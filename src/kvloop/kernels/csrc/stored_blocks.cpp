@@ -71,6 +71,20 @@ int64_t run_blocks(int64_t in_features) {
   return K == WeightKind::Q5_0 ? blocks / 8 + blocks % 8 : blocks;
 }
 
+// f(layout, b, k0) for each block of row n of L, in order: b its bytes, k0 its first
+// weight along the row (for_each_run's runs, block by block).
+template <WeightKind K, typename F>
+inline void for_each_block(const QLinear& L, int64_t n, F&& f) {
+  const uint8_t* row = L.weight.data_ptr<uint8_t>() +
+                       n * (L.in_features / Traits<K>::QK * Traits<K>::BYTES);
+  for_each_run<K>(L.in_features, [&](auto layout, int64_t blocks, int64_t byte0,
+                                     int64_t group0) {
+    using T = Traits<decltype(layout)::value>;
+    for (int64_t bi = 0; bi < blocks; ++bi)
+      f(layout, row + byte0 + bi * T::BYTES, group0 * kGroup + bi * T::QK);
+  });
+}
+
 // Q5_K's code layout: Q5_K itself and the Q5_0 groups.
 template <WeightKind K>
 constexpr bool kQ5KCodes = K == WeightKind::Q5_K || K == kQ5_0x8;
@@ -464,40 +478,32 @@ void rows_t(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m1, in
 
 template <WeightKind K>
 void decode_t(const QLinear& L, int64_t n, float* out) {
-  const uint8_t* row = L.weight.data_ptr<uint8_t>() +
-                       n * (L.in_features / Traits<K>::QK * Traits<K>::BYTES);
-  for_each_run<K>(L.in_features, [&](auto layout, int64_t blocks, int64_t byte0,
-                                     int64_t group0) {
+  for_each_block<K>(L, n, [&](auto layout, const uint8_t* b, int64_t k0) {
     constexpr WeightKind KB = decltype(layout)::value;
     using T = Traits<KB>;
     float s[T::QK / T::SUB], mn[T::QK / T::SUB];
-    for (int64_t bi = 0; bi < blocks; ++bi) {
-      const uint8_t* b = row + byte0 + bi * T::BYTES;
-      block_factors<KB>(b, s, mn);
-      float* o = out + group0 * kGroup + bi * T::QK;
-      // s * u is exact in fp32, so the fused multiply-add rounds once, as the sum does.
+    block_factors<KB>(b, s, mn);
+    float* o = out + k0;
+    // s * u is exact in fp32, so the fused multiply-add rounds once, as the sum does.
 #ifdef __AVX2__
-      // The codes as the kernel unpacks them, 8 at a time to fp32: a batched step decodes
-      // every weight of the layer (prefill, large decode batches), so this runs at GEMM
-      // rates.
-      for_each_group<KB>(b, [&](int64_t g, __m256i u) {
-        for (int j = 0; j < 4; ++j) {
-          const int64_t sub = (g * kGroup + 8 * j) / T::SUB;
-          const __m128i u8 =
-              j < 2 ? _mm256_castsi256_si128(u) : _mm256_extracti128_si256(u, 1);
-          const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-              j % 2 == 0 ? u8 : _mm_srli_si128(u8, 8)));
-          _mm256_storeu_ps(o + g * kGroup + 8 * j, _mm256_fmadd_ps(f, _mm256_set1_ps(s[sub]),
-                                                                   _mm256_set1_ps(mn[sub])));
-        }
-      });
+    // The codes as the kernel unpacks them, 8 at a time to fp32: a batched step decodes
+    // every weight of the layer (prefill, large decode batches), so this runs at GEMM rates.
+    for_each_group<KB>(b, [&](int64_t g, __m256i u) {
+      for (int j = 0; j < 4; ++j) {
+        const int64_t sub = (g * kGroup + 8 * j) / T::SUB;
+        const __m128i u8 = j < 2 ? _mm256_castsi256_si128(u) : _mm256_extracti128_si256(u, 1);
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+            j % 2 == 0 ? u8 : _mm_srli_si128(u8, 8)));
+        _mm256_storeu_ps(o + g * kGroup + 8 * j,
+                         _mm256_fmadd_ps(f, _mm256_set1_ps(s[sub]), _mm256_set1_ps(mn[sub])));
+      }
+    });
 #else
-      uint8_t u[T::QK];
-      unpack_codes<KB>(b, u);
-      for (int64_t k = 0; k < T::QK; ++k)
-        o[k] = s[k / T::SUB] * static_cast<float>(u[k]) + mn[k / T::SUB];
+    uint8_t u[T::QK];
+    unpack_codes<KB>(b, u);
+    for (int64_t k = 0; k < T::QK; ++k)
+      o[k] = s[k / T::SUB] * static_cast<float>(u[k]) + mn[k / T::SUB];
 #endif
-    }
   });
 }
 
@@ -542,54 +548,47 @@ inline void block_corrections(const __m256i* sums, int32_t* corr) {
 // codes, which then need no min term.
 template <WeightKind K>
 void unpack_t(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn, int32_t* corr) {
-  const uint8_t* row = L.weight.data_ptr<uint8_t>() +
-                       n * (L.in_features / Traits<K>::QK * Traits<K>::BYTES);
-  for_each_run<K>(L.in_features, [&](auto layout, int64_t blocks, int64_t byte0,
-                                     int64_t group0) {
+  for_each_block<K>(L, n, [&](auto layout, const uint8_t* b, int64_t k0) {
     constexpr WeightKind KB = decltype(layout)::value;
     using T = Traits<KB>;
     constexpr int64_t S = T::QK / T::SUB, G = T::QK / kGroup;
     constexpr int kShift = kCodeShift<KB>;
-    for (int64_t bi = 0; bi < blocks; ++bi) {
-      const uint8_t* b = row + byte0 + bi * T::BYTES;
-      const int64_t k0 = group0 * kGroup + bi * T::QK;  // the block's first weight
-      float* bs = sc + k0 / T::SUB;
-      float* bm = mn + k0 / kGroup;
+    float* bs = sc + k0 / T::SUB;
+    float* bm = mn + k0 / kGroup;
 #ifdef __AVX2__
-      if constexpr (G == 8 && T::SUB == kGroup) {  // Q4_K, Q5_K, the Q5_0 groups
-        __m256 sv, mv;  // the vector unpacking of Q4_K's 6-bit fields: the scalar one cost
-        group_factors<KB>(b, sv, mv);  // as much as the rest of the block
-        _mm256_storeu_ps(bs, sv);
-        if constexpr (kShift == 0) _mm256_storeu_ps(bm, mv);
-      } else
+    if constexpr (G == 8 && T::SUB == kGroup) {  // Q4_K, Q5_K, the Q5_0 groups
+      __m256 sv, mv;  // the vector unpacking of Q4_K's 6-bit fields: the scalar one cost
+      group_factors<KB>(b, sv, mv);  // as much as the rest of the block
+      _mm256_storeu_ps(bs, sv);
+      if constexpr (kShift == 0) _mm256_storeu_ps(bm, mv);
+    } else
 #endif
-      {
-        float s[S], m[S];
-        block_factors<KB>(b, s, m);
-        for (int64_t i = 0; i < S; ++i) bs[i] = s[i];
-        if constexpr (kShift == 0)
-          for (int64_t g = 0; g < G; ++g) bm[g] = m[g];
-      }
-      int8_t* o = codes + k0;
-      int32_t* x = corr + k0 / T::SUB;  // -128 * sum of each scale's codes: sum(u) - kShift * SUB
-#ifdef __AVX2__
-      // Per group, 8 lanes of sums of 4 codes (lanes 0-3: its first 16 codes); the groups'
-      // horizontal sums then all at once below (a third of the instructions of one each).
-      __m256i sums[G];
-      for_each_group<KB>(b, [&](int64_t g, __m256i u) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + g * kGroup),
-                            _mm256_sub_epi8(u, _mm256_set1_epi8(kShift)));
-        sums[g] = _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_set1_epi8(1)),
-                                    _mm256_set1_epi16(1));
-      });
-      block_corrections<T::SUB, G, kShift>(sums, x);
-#else
-      uint8_t u[T::QK];
-      unpack_codes<KB>(b, u);
-      for (int64_t k = 0; k < T::QK; ++k) o[k] = static_cast<int8_t>(u[k] - kShift);
-      code_corrections(o, T::QK, T::SUB, x);
-#endif
+    {
+      float s[S], m[S];
+      block_factors<KB>(b, s, m);
+      for (int64_t i = 0; i < S; ++i) bs[i] = s[i];
+      if constexpr (kShift == 0)
+        for (int64_t g = 0; g < G; ++g) bm[g] = m[g];
     }
+    int8_t* o = codes + k0;
+    int32_t* x = corr + k0 / T::SUB;  // -128 * sum of each scale's codes: sum(u) - kShift * SUB
+#ifdef __AVX2__
+    // Per group, 8 lanes of sums of 4 codes (lanes 0-3: its first 16 codes); the groups'
+    // horizontal sums then all at once below (a third of the instructions of one each).
+    __m256i sums[G];
+    for_each_group<KB>(b, [&](int64_t g, __m256i u) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + g * kGroup),
+                          _mm256_sub_epi8(u, _mm256_set1_epi8(kShift)));
+      sums[g] = _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_set1_epi8(1)),
+                                  _mm256_set1_epi16(1));
+    });
+    block_corrections<T::SUB, G, kShift>(sums, x);
+#else
+    uint8_t u[T::QK];
+    unpack_codes<KB>(b, u);
+    for (int64_t k = 0; k < T::QK; ++k) o[k] = static_cast<int8_t>(u[k] - kShift);
+    code_corrections(o, T::QK, T::SUB, x);
+#endif
   });
 }
 
