@@ -342,7 +342,7 @@ void rows_stored(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n,
   // Per pair, the block's factor of each dot product, weight scale x activation scale:
   // per group of 32 in fac, read back broadcast; Q6_K's per 16 in registers, lanes 2g',
   // 2g' + 1 of fac16[h] for group 4h + g' (its two halves). Measured both ways on Zen 3:
-  // memory is 10-15% faster for the others, registers 10% for Q6_K.
+  // memory is 8-15% faster for the others, registers 10% for Q6_K.
   alignas(32) float fac[I][8];
   __m256 fac16[2][I];
   for_each_run<K>(Kd, [&](auto layout, int64_t blocks, int64_t byte0, int64_t group0) {
