@@ -67,8 +67,9 @@ inline void for_each_run(int64_t in_features, F&& f) {
 // How many blocks for_each_run visits along a row.
 template <WeightKind K>
 int64_t run_blocks(int64_t in_features) {
-  const int64_t blocks = in_features / Traits<K>::QK;
-  return K == WeightKind::Q5_0 ? blocks / 8 + blocks % 8 : blocks;
+  int64_t total = 0;
+  for_each_run<K>(in_features, [&](auto, int64_t blocks, int64_t, int64_t) { total += blocks; });
+  return total;
 }
 
 // f(layout, b, k0) for each block of row n of L, in order: b its bytes, k0 its first
