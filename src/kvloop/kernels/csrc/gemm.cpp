@@ -20,7 +20,11 @@
 // leave room for more: a pair is at most 2 x 255 x C for |c| <= C, so several vpmaddubsw
 // results add up in int16 (vpaddw) before one vpmaddwd widens them (int16_sums), which
 // spares most of the widening multiplies: 4 results at a time for 4-bit codes and Q5_0's,
-// 2 for the other 5- and 6-bit ones. 8-bit codes
+// 2 for the other 5- and 6-bit ones. Codes that are never negative (4-bit ones with a min,
+// Q4_K's, Q5_K's) need no offset at all there (Dot::kSigned): they are vpmaddubsw's unsigned
+// operand and the activations, back to signed q, the signed one, so a pair is at most
+// 2 x 127 x C: a whole group of 4-bit codes sums in int16 (one widening per 32 codes,
+// where the offset needed two, and no correction). 8-bit codes
 // on AVX2 without VNNI (kSigned8) dot the other way round: the codes' magnitudes are the
 // unsigned operand and the activations, back to signed q, take the codes' signs
 // (vpsignb), so a pair sums at most 2 x 128 x 127 < 2^15 and no offset is there to remove.
@@ -64,14 +68,6 @@ constexpr int kR = 1, kP = 1;
 // int16 activations: two accumulators per lane, so half the panels per tile.
 constexpr int kPW = kP > 1 ? kP / 2 : 1;
 
-// How a layer's codes dot: the weights per scale (16 or 32) and whether a min term follows.
-struct GemmFormat {
-  int64_t sub = kGroup;
-  bool has_min = false;
-  bool signed8 = false;  // 8-bit codes on AVX2 without VNNI: see the top
-  int sums = 1;          // vpmaddubsw results summed in int16 before widening (int16_sums)
-};
-
 // This build's vpmaddubsw path (AVX2 without VNNI): 8-bit codes dot with signed
 // activations; every other build dots them as any other code.
 constexpr bool kMaddubs =
@@ -81,35 +77,58 @@ constexpr bool kMaddubs =
     false;
 #endif
 
-// How many vpmaddubsw results (int16 lanes, each a pair of (q + 128) x code products) add
-// up in int16 without overflow, for codes of |c| <= max_code: a pair is at most
-// 2 x 255 x max_code, so n of them stay within 32767 for n <= 32767 / (510 max_code):
-//   max_code  8 (-8..7):   8 (a whole group of 32 codes: 4 x 8 steps of 4)
-//   max_code 15 (0..15):   4 (4-bit codes), 16 (Q5_0's -16..15): 4
-//   max_code 31 (0..31):   2 (Q5_K, Q5_1), 32 (Q6_K's -32..31): 2
-//   max_code 64:           1 (one widening per 4 codes, as before); 8-bit codes: 1
+// How a layer's codes meet the activations' bytes (see the top).
+enum class Dot {
+  kOffset,   // activations q + 128 (unsigned) against the codes; the corrections remove 128
+  kWide,     // int16 activations as a low and a high byte panel, each as kOffset's
+  kSigned,   // vpmaddubsw builds, codes >= 0: the codes unsigned against activations q
+  kSigned8,  // vpmaddubsw builds, 8-bit codes: their magnitudes against q with their signs
+  kPairs,    // vpmaddubsw builds, 8-bit codes, int16 activations: vpmaddwd on pairs
+};
+
+// How a layer's codes dot: the weights per scale (16 or 32), whether a min term follows,
+// the activations' form, and how many vpmaddubsw results add up in int16 (int16_sums).
+struct GemmFormat {
+  int64_t sub = kGroup;
+  bool has_min = false;
+  Dot dot = Dot::kOffset;
+  int sums = 1;
+};
+
+// How many vpmaddubsw results (int16 lanes, each a pair of activation x code products) add
+// up in int16 without overflow, for codes of |c| <= max_code and activation bytes of at
+// most max_act (255 for q + 128, 127 for q): a pair is at most 2 x max_act x max_code, so
+// n of them stay within 32767 for n <= 32767 / (2 max_act max_code):
+//   q + 128, max_code  8 (-8..7): 8 (a whole group of 32 codes: 4 x 8 steps of 4)
+//   q + 128, max_code 15 (0..15): 4 (4-bit codes), 16 (Q5_0's -16..15): 4
+//   q + 128, max_code 31 (0..31): 2 (Q5_K, Q5_1), 32 (Q6_K's -32..31): 2
+//   q + 128, max_code 64: 1 (one widening per 4 codes); 8-bit codes: 1
+//   q, max_code 15: 8 (4-bit codes, Dot::kSigned); 31: 4 (Q5_K, Q5_1)
 // A power of two (the steps of 4 codes per scale, 4 or 8, split evenly), at most 8.
-constexpr int int16_sums(int max_code) {
-  const int n = max_code <= 0 ? 8 : 32767 / (2 * 255 * max_code);
+constexpr int int16_sums(int max_code, int max_act = 255) {
+  const int n = max_code <= 0 ? 8 : 32767 / (2 * max_act * max_code);
   return n >= 8 ? 8 : n >= 4 ? 4 : n >= 2 ? 2 : 1;
 }
 static_assert(int16_sums(8) == 8 && int16_sums(15) == 4 && int16_sums(16) == 4 &&
               int16_sums(31) == 2 && int16_sums(32) == 2 && int16_sums(64) == 1 &&
-              int16_sums(128) == 1);
+              int16_sums(128) == 1 && int16_sums(15, 127) == 8 && int16_sums(31, 127) == 4);
 
 GemmFormat format_of(const QLinear& L) {
   GemmFormat f;
   int max_code = 128;  // 8-bit codes
+  bool signed_codes = true;
   if (is_stored(L.kind)) {
     f.sub = stored_gemm_sub(L.kind);
     f.has_min = stored_gemm_has_min(L.kind);
     max_code = stored_gemm_max_code(L.kind);
+    signed_codes = stored_gemm_signed_codes(L.kind);
   } else {
     switch (L.kind) {
       case WeightKind::Q4:
       case WeightKind::Q4F:  // codes 0..15, w = sc * c + mn
         f.has_min = true;
         max_code = 15;
+        signed_codes = false;
         break;
       case WeightKind::Q8B:
         f.sub = L.group;
@@ -117,11 +136,19 @@ GemmFormat format_of(const QLinear& L) {
         break;
       default: break;  // Q8: one scale per row, repeated per group
     }
-    f.signed8 = kMaddubs && L.eight_bit_codes();  // all 8 bits: no +128 offset
   }
-  // Only vpmaddubsw's int16 pair sums need this; the signed 8-bit path has no room (see
-  // the top), and VNNI's vpdpbusd sums in int32 already.
-  if (kMaddubs && !f.signed8) f.sums = int16_sums(max_code);
+  const bool eight_bit = !is_stored(L.kind) && L.eight_bit_codes();
+  if (L.wide_acts) {
+    f.dot = kMaddubs && eight_bit ? Dot::kPairs : Dot::kWide;
+  } else if (kMaddubs && eight_bit) {
+    f.dot = Dot::kSigned8;  // all 8 bits: no +128 offset
+  } else if (kMaddubs && !signed_codes) {
+    f.dot = Dot::kSigned;
+  }
+  // Only vpmaddubsw's int16 pair sums need this; the 8-bit paths have no room (see the
+  // top), and VNNI's vpdpbusd sums in int32 already.
+  if (f.dot == Dot::kOffset && kMaddubs) f.sums = int16_sums(max_code);
+  if (f.dot == Dot::kSigned) f.sums = int16_sums(max_code, 127);
   return f;
 }
 
@@ -386,14 +413,27 @@ void tile_pairs(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, fl
 #endif
 }
 
-// Rows r0..r0+R of the tile against panels p0..p0+P: out[r][p][lane]. kWide: int16
-// activations, pq their low bytes and pqh their high ones; kSigned8: 8-bit codes on AVX2
-// without VNNI (see the top); kSums: vpmaddubsw results summed in int16 before each
-// widening to int32 (int16_sums; 1 for kWide, kSigned8 and VNNI).
-template <int64_t SUB, bool kMin, bool kWide, bool kSigned8, int kSums, int R, int P>
+#ifdef __AVX2__
+// 16 int16 pair sums of activation bytes av and 4 codes wb repeated, as kDot dots them:
+// the activations unsigned (q + 128), or the codes (kSigned, codes >= 0).
+template <Dot kDot>
+inline __m256i byte_pairs(__m256i av, __m256i wb) {
+  return kDot == Dot::kSigned ? _mm256_maddubs_epi16(wb, av) : _mm256_maddubs_epi16(av, wb);
+}
+#endif
+
+// Rows r0..r0+R of the tile against panels p0..p0+P: out[r][p][lane], kDot any but kPairs
+// (see Dot). kWide: pq holds the activations' low bytes and pqh their high ones. kSums:
+// vpmaddubsw results summed in int16 before each widening to int32 (int16_sums; 1 for
+// kWide, kSigned8 and VNNI).
+template <int64_t SUB, bool kMin, Dot kDot, int kSums, int R, int P>
 void tile(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* out) {
+  constexpr bool kWide = kDot == Dot::kWide, kSigned8 = kDot == Dot::kSigned8;
+  // Activations back to signed q: no +128 offset to remove from the sums.
+  constexpr bool kSignedActs = kSigned8 || kDot == Dot::kSigned;
   static_assert(SUB % (4 * kSums) == 0, "whole int16 sums per scale");
-  static_assert(kSums == 1 || (kMaddubs && !kWide && !kSigned8), "int16 sums: vpmaddubsw");
+  static_assert(kSums == 1 || (kMaddubs && (kDot == Dot::kOffset || kDot == Dot::kSigned)),
+                "int16 sums: vpmaddubsw");
   const int64_t K = w.K, nsub = K / SUB;
   const int64_t pbytes = K * kLanes, pfloats = K / kGroup * kLanes;
   const uint8_t* A = (kWide ? a.pqh : a.pq).data() + p0 * pbytes;
@@ -408,9 +448,8 @@ void tile(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* o
     __m256i ia[R][P];
     __m256i il[kWide ? R : 1][kWide ? P : 1];  // kWide: the low bytes' sums
     for (int r = 0; r < R; ++r) {
-      // Signed activations carry no +128 offset to remove.
       const __m256i c =
-          kSigned8 ? _mm256_setzero_si256() : _mm256_set1_epi32(w.x(r0 + r)[gs]);
+          kSignedActs ? _mm256_setzero_si256() : _mm256_set1_epi32(w.x(r0 + r)[gs]);
       for (int p = 0; p < P; ++p) ia[r][p] = c;
       if constexpr (kWide)
         for (int p = 0; p < P; ++p) il[r][p] = _mm256_setzero_si256();
@@ -418,12 +457,15 @@ void tile(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* o
     const uint8_t* ag = A + gs * SUB * kLanes;
     for (int64_t j0 = 0; j0 < SUB / 4; j0 += kSums) {
       __m256i ih[kSums > 1 ? R : 1][kSums > 1 ? P : 1];  // kSums > 1: the int16 sums
+      if constexpr (kSums > 1)
+        for (int r = 0; r < R; ++r)
+          for (int p = 0; p < P; ++p) ih[r][p] = _mm256_setzero_si256();
       for (int64_t j = j0; j < j0 + kSums; ++j) {
         __m256i av[P], al[kWide ? P : 1];
         for (int p = 0; p < P; ++p) {
           av[p] =
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + p * pbytes + 32 * j));
-          if constexpr (kSigned8)  // q + 128 back to q
+          if constexpr (kSignedActs)  // q + 128 back to q
             av[p] = _mm256_xor_si256(av[p], _mm256_set1_epi8(static_cast<char>(0x80)));
           if constexpr (kWide)
             al[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
@@ -438,9 +480,15 @@ void tile(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* o
             for (int p = 0; p < P; ++p) ia[r][p] = dot4_signed(ia[r][p], av[p], wabs, wb);
           } else if constexpr (kSums > 1) {
             for (int p = 0; p < P; ++p) {
-              const __m256i pairs = _mm256_maddubs_epi16(av[p], wb);
-              ih[r][p] = j == j0 ? pairs : _mm256_add_epi16(ih[r][p], pairs);
+              ih[r][p] = _mm256_add_epi16(ih[r][p], byte_pairs<kDot>(av[p], wb));
+              // The running sum kept as one: otherwise GCC reassociates the steps' sums
+              // into trees whose partial results spill (one thread, cycles per 32 weights
+              // and activation row: Q4_K 1.96 -> 1.72, Q5_0 1.84 -> 1.71).
+              __asm__("" : "+x"(ih[r][p]));
             }
+          } else if constexpr (kDot == Dot::kSigned) {
+            for (int p = 0; p < P; ++p)
+              ia[r][p] = widen_add(ia[r][p], byte_pairs<kDot>(av[p], wb));
           } else {
             for (int p = 0; p < P; ++p) {
               ia[r][p] = dot4(ia[r][p], av[p], wb);
@@ -499,18 +547,18 @@ void scatter(const float* out, int64_t M, int64_t N, int64_t n0, int64_t p0, flo
 }
 
 // tile, or tile_pairs for kPairs.
-template <int64_t SUB, bool kMin, bool kWide, bool kSigned8, int kSums, bool kPairs, int R,
-          int P>
+template <int64_t SUB, bool kMin, Dot kDot, int kSums, int R, int P>
 void run_tile(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* out) {
-  if constexpr (kPairs) {
+  if constexpr (kDot == Dot::kPairs) {
     tile_pairs<SUB, kMin, R, P>(w, r0, a, p0, out);
   } else {
-    tile<SUB, kMin, kWide, kSigned8, kSums, R, P>(w, r0, a, p0, out);
+    tile<SUB, kMin, kDot, kSums, R, P>(w, r0, a, p0, out);
   }
 }
 
-template <int64_t SUB, bool kMin, bool kWide, bool kSigned8, int kSums, bool kPairs = false>
+template <int64_t SUB, bool kMin, Dot kDot, int kSums>
 void gemm_t(const QLinear& L, const QuantizedActs& a, float* y) {
+  constexpr bool kWide = kDot == Dot::kWide, kPairs = kDot == Dot::kPairs;
   constexpr int kTileP = kWide ? kPW : kP;
   const int64_t M = a.M, N = L.out_features, K = L.in_features;
   const int64_t panels = (M + kLanes - 1) / kLanes;
@@ -543,17 +591,17 @@ void gemm_t(const QLinear& L, const QuantizedActs& a, float* y) {
         if (rows == kR) {
           int64_t p = c0;
           for (; p + kTileP <= c1; p += kTileP) {
-            run_tile<SUB, kMin, kWide, kSigned8, kSums, kPairs, kR, kTileP>(w, 0, a, p, out);
+            run_tile<SUB, kMin, kDot, kSums, kR, kTileP>(w, 0, a, p, out);
             scatter<kR, kTileP>(out, M, N, n0, p, y);
           }
           for (; p < c1; ++p) {
-            run_tile<SUB, kMin, kWide, kSigned8, kSums, kPairs, kR, 1>(w, 0, a, p, out);
+            run_tile<SUB, kMin, kDot, kSums, kR, 1>(w, 0, a, p, out);
             scatter<kR, 1>(out, M, N, n0, p, y);
           }
         } else {
           for (int r = 0; r < rows; ++r)
             for (int64_t p = c0; p < c1; ++p) {
-              run_tile<SUB, kMin, kWide, kSigned8, kSums, kPairs, 1, 1>(w, r, a, p, out);
+              run_tile<SUB, kMin, kDot, kSums, 1, 1>(w, r, a, p, out);
               scatter<1, 1>(out, M, N, n0 + r, p, y);
             }
         }
@@ -562,32 +610,19 @@ void gemm_t(const QLinear& L, const QuantizedActs& a, float* y) {
   }
 }
 
-// gemm_t for a layer with 8-bit codes taking int16 activations in pairs (kPairs).
-void gemm_pairs(const GemmFormat& f, const QLinear& L, const QuantizedActs& a, float* y) {
-  if (f.sub == 16) {
-    gemm_t<16, false, true, false, 1, true>(L, a, y);
-  } else if (f.has_min) {
-    gemm_t<kGroup, true, true, false, 1, true>(L, a, y);
-  } else {
-    gemm_t<kGroup, false, true, false, 1, true>(L, a, y);
-  }
-}
-
 // gemm_t for format f: its weights per scale (16 or 32), min term or not, and int16 sums
-// (f.sums: a power of two, found from kSums up). Int16 sums only on the plain vpmaddubsw
-// path: kSigned8 has no room for them, and int16 activations (kWide) come with 8-bit codes
-// only (Q8, Q8B heads), whose f.sums is 1 anyway.
-template <bool kWide, bool kSigned8, int kSums = 1>
+// (f.sums: a power of two, found from kSums up; only kOffset and kSigned have them).
+template <Dot kDot, int kSums = 1>
 void gemm_for(const GemmFormat& f, const QLinear& L, const QuantizedActs& a, float* y) {
-  if constexpr (kMaddubs && !kWide && !kSigned8 && kSums < 8) {
-    if (f.sums > kSums) return gemm_for<kWide, kSigned8, 2 * kSums>(f, L, a, y);
+  if constexpr (kMaddubs && (kDot == Dot::kOffset || kDot == Dot::kSigned) && kSums < 8) {
+    if (f.sums > kSums) return gemm_for<kDot, 2 * kSums>(f, L, a, y);
   }
   if (f.sub == 16) {
-    gemm_t<16, false, kWide, kSigned8, std::min(kSums, 4)>(L, a, y);  // 4 steps of 4 a scale
+    gemm_t<16, false, kDot, std::min(kSums, 4)>(L, a, y);  // 4 steps of 4 a scale
   } else if (f.has_min) {
-    gemm_t<kGroup, true, kWide, kSigned8, kSums>(L, a, y);
+    gemm_t<kGroup, true, kDot, kSums>(L, a, y);
   } else {
-    gemm_t<kGroup, false, kWide, kSigned8, kSums>(L, a, y);
+    gemm_t<kGroup, false, kDot, kSums>(L, a, y);
   }
 }
 
@@ -697,12 +732,16 @@ void gemm_int8(const QLinear& L, const QuantizedActs& a, float* y) {
                   (!L.wide_acts || a.pqh.size() == (pairs ? 0 : panel_bytes)),
               "the int8 GEMM needs activations quantized and interleaved for it");
   const GemmFormat f = format_of(L);
-  if (pairs) return gemm_pairs(f, L, a, y);
   if constexpr (kMaddubs) {
-    if (f.signed8) return gemm_for<false, true>(f, L, a, y);  // int8 activations
+    switch (f.dot) {
+      case Dot::kPairs: return gemm_for<Dot::kPairs>(f, L, a, y);
+      case Dot::kSigned8: return gemm_for<Dot::kSigned8>(f, L, a, y);
+      case Dot::kSigned: return gemm_for<Dot::kSigned>(f, L, a, y);
+      default: break;
+    }
   }
-  if (L.wide_acts) return gemm_for<true, false>(f, L, a, y);
-  gemm_for<false, false>(f, L, a, y);
+  if (f.dot == Dot::kWide) return gemm_for<Dot::kWide>(f, L, a, y);
+  gemm_for<Dot::kOffset>(f, L, a, y);
 }
 
 bool QLinear::eight_bit_codes() const {

@@ -223,6 +223,8 @@ int64_t stored_gemm_sub(WeightKind kind);
 bool stored_gemm_has_min(WeightKind kind);
 // The largest |code| stored_unpack_row writes (15 for Q4_K, 32 for Q6_K's u - 32, ...).
 int stored_gemm_max_code(WeightKind kind);
+// Whether those codes can be negative (Q5_0's and Q6_K's, their mins folded in).
+bool stored_gemm_signed_codes(WeightKind kind);
 // corr[g] = -128 * the sum of codes [g * sub, (g + 1) * sub) (sub 16 or 32), for g < K / sub.
 void code_corrections(const int8_t* codes, int64_t K, int64_t sub, int32_t* corr);
 

@@ -10,6 +10,9 @@
 #include <immintrin.h>
 #endif
 
+// Loops over a kernel's register arrays, unrolled whole so that the arrays stay in registers.
+#define KVLOOP_UNROLL _Pragma("GCC unroll 16")
+
 namespace kvloop {
 
 inline float half_to_float(uint16_t h) {

@@ -28,9 +28,6 @@
 namespace kvloop {
 namespace {
 
-// Loops over a kernel's register arrays, unrolled whole so that the arrays stay in registers.
-#define KVLOOP_UNROLL _Pragma("GCC unroll 16")
-
 constexpr int64_t kGroup = 32;
 constexpr int kCols = 4;  // activation rows sharing one pass over a weight row (linear.cpp)
 
@@ -646,6 +643,14 @@ int64_t stored_gemm_sub(WeightKind kind) {
 
 bool stored_gemm_has_min(WeightKind kind) {
   return kind == WeightKind::Q4_K || kind == WeightKind::Q5_K || kind == WeightKind::Q5_1;
+}
+
+bool stored_gemm_signed_codes(WeightKind kind) {
+  bool shifted = false;
+#define SHIFTED(F) shifted = kCodeShift<F> > 0
+  switch (kind) { KVLOOP_STORED_KINDS(SHIFTED) }
+#undef SHIFTED
+  return shifted;
 }
 
 int stored_gemm_max_code(WeightKind kind) {
