@@ -36,11 +36,11 @@
 //
 // On AVX2 without VNNI, 8-bit codes cannot meet those byte panels (2 x 255 x 128 overflows
 // vpmaddubsw's int16 pairs), so a head with 8-bit codes (Q8_0 files' tables, int8 heads)
-// takes its int16 activations as they are (kPairs, gemm_pairs): panels of 32-bit lanes
-// holding two activations of a row, each pair of codes widened to int16 and broadcast,
-// one vpmaddwd advancing 8 rows' sums by 2 weights, exact in int32. Its row kernel reads
-// every activation row once per weight row, from L2: at 32 rows of Gemma 3's 262k-row
-// head that traffic, not the arithmetic, set its time.
+// takes its int16 activations as they are (Dot::kPairs, QLinear::gemm_pairs): panels of
+// 32-bit lanes holding two activations of a row, each pair of codes widened to int16 and
+// broadcast, one vpmaddwd advancing 8 rows' sums by 2 weights, exact in int32. Its row
+// kernel reads every activation row once per weight row, from L2: at 32 rows of Gemma 3's
+// 262k-row head that traffic, not the arithmetic, set its time.
 
 #include "kvloop.h"
 
@@ -150,7 +150,7 @@ GemmFormat format_of(const QLinear& L) {
   }
   const bool eight_bit = !is_stored(L.kind) && L.eight_bit_codes();
   if (L.wide_acts) {
-    f.dot = kMaddubs && eight_bit ? Dot::kPairs : Dot::kWide;
+    f.dot = L.gemm_pairs() ? Dot::kPairs : Dot::kWide;
   } else if (kMaddubs && eight_bit) {
     f.dot = Dot::kSigned8;  // all 8 bits: no +128 offset
   } else if (kMaddubs && !signed_codes) {
