@@ -6,7 +6,8 @@ import json
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import gguf
@@ -84,14 +85,37 @@ def default_gguf() -> Path:
     return default_model_path()
 
 
+@contextmanager
+def gguf_parsed_once() -> Iterator[None]:
+    """transformers parses a GGUF file anew (gguf.GGUFReader) for its config, its weights
+    and its tokenizer: ~20 s apiece for Gemma 3's 262k-token vocabulary. Within this block
+    each file is parsed once and its reader shared (transformers only reads it); the
+    oracle's own code does everything else as it would."""
+    parse = gguf.GGUFReader
+    readers: dict[tuple[str, str], gguf.GGUFReader] = {}
+
+    def shared(path: str | os.PathLike[str], mode: str = "r") -> gguf.GGUFReader:
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = parse(path, mode)  # type: ignore[arg-type]
+        return readers[key]
+
+    gguf.GGUFReader = shared  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = parse  # type: ignore[misc]
+
+
 @pytest.fixture(scope="session")
 def hf_default(default_gguf: Path):
     """transformers' own load of the same GGUF file, fp32: the oracle."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     d, f = str(default_gguf.parent), DEFAULT_MODEL_FILE
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    with gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
     return model, tok
 
 

@@ -51,11 +51,29 @@ def schema_requests(llm: LLM, temperature: float = 0.0):
     return prompts, params
 
 
-@pytest.mark.slow
-def test_jump_forward_same_tokens_fewer_steps(kv_default):
-    prompts, params = schema_requests(kv_default)
+def regex_requests(llm: LLM):
+    prompts = [chat_ids(llm, ask) for _, _, ask in REGEXES]
+    params = [SamplingParams(temperature=0.0, max_tokens=120,
+                             structured=StructuredOutput(regex=regex))
+              for _, regex, _ in REGEXES]
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def one_token_a_step(kv_default):
+    """The greedy schema requests, then the regex ones, each alone without jump-forward:
+    the outputs every faster way must reproduce, and the steps the schema requests took
+    (one run shared by the tests below)."""
     with jump_forward(kv_default, False):
-        ref, ref_steps = run_alone(kv_default, prompts, params)
+        schemas, schema_steps = run_alone(kv_default, *schema_requests(kv_default))
+        regexes, _ = run_alone(kv_default, *regex_requests(kv_default))
+    return schemas, schema_steps, regexes
+
+
+@pytest.mark.slow
+def test_jump_forward_same_tokens_fewer_steps(kv_default, one_token_a_step):
+    prompts, params = schema_requests(kv_default)
+    ref, ref_steps, _ = one_token_a_step
     with jump_forward(kv_default, True):
         out, steps = run_alone(kv_default, prompts, params)
     for (name, schema, _), a, b in zip(SCHEMAS, ref, out, strict=True):
@@ -93,14 +111,12 @@ def kv_ngram():
 
 
 @pytest.mark.slow
-def test_constrained_outputs_identical_with_speculation(kv_default, kv_ngram):
-    prompts, params = schema_requests(kv_default)
-    for _, regex, ask in REGEXES:
-        prompts.append(chat_ids(kv_default, ask))
-        params.append(SamplingParams(temperature=0.0, max_tokens=120,
-                                     structured=StructuredOutput(regex=regex)))
-    with jump_forward(kv_default, False):
-        ref, _ = run_alone(kv_default, prompts, params)
+def test_constrained_outputs_identical_with_speculation(kv_default, kv_ngram, one_token_a_step):
+    schema_prompts, schema_params = schema_requests(kv_default)
+    regex_prompts, regex_params = regex_requests(kv_default)
+    prompts, params = schema_prompts + regex_prompts, schema_params + regex_params
+    schemas, _, regexes = one_token_a_step
+    ref = schemas + regexes
     for jf in (False, True):
         stats0 = kv_ngram.engine.stats()
         with jump_forward(kv_ngram, jf):
