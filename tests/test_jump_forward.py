@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import jsonschema
 import pytest
@@ -59,21 +60,34 @@ def regex_requests(llm: LLM):
     return prompts, params
 
 
+@dataclass
+class Reference:
+    """Requests (the greedy schema ones, then the regex ones) and what each wrote alone,
+    one token a step: the outputs every faster way must reproduce."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+    outputs: list
+    schema_steps: int  # engine steps the schema requests took
+
+
 @pytest.fixture(scope="module")
-def one_token_a_step(kv_default):
-    """The greedy schema requests, then the regex ones, each alone without jump-forward:
-    the outputs every faster way must reproduce, and the steps the schema requests took
-    (one run shared by the tests below)."""
+def one_token_a_step(kv_default) -> Reference:
+    """Each request alone without jump-forward (one run shared by the tests below)."""
+    schema_prompts, schema_params = schema_requests(kv_default)
+    regex_prompts, regex_params = regex_requests(kv_default)
     with jump_forward(kv_default, False):
-        schemas, schema_steps = run_alone(kv_default, *schema_requests(kv_default))
-        regexes, _ = run_alone(kv_default, *regex_requests(kv_default))
-    return schemas, schema_steps, regexes
+        schemas, schema_steps = run_alone(kv_default, schema_prompts, schema_params)
+        regexes, _ = run_alone(kv_default, regex_prompts, regex_params)
+    return Reference(schema_prompts + regex_prompts, schema_params + regex_params,
+                     schemas + regexes, schema_steps)
 
 
 @pytest.mark.slow
 def test_jump_forward_same_tokens_fewer_steps(kv_default, one_token_a_step):
-    prompts, params = schema_requests(kv_default)
-    ref, ref_steps, _ = one_token_a_step
+    n = len(SCHEMAS)
+    prompts, params = one_token_a_step.prompts[:n], one_token_a_step.params[:n]
+    ref, ref_steps = one_token_a_step.outputs[:n], one_token_a_step.schema_steps
     with jump_forward(kv_default, True):
         out, steps = run_alone(kv_default, prompts, params)
     for (name, schema, _), a, b in zip(SCHEMAS, ref, out, strict=True):
@@ -111,17 +125,13 @@ def kv_ngram():
 
 
 @pytest.mark.slow
-def test_constrained_outputs_identical_with_speculation(kv_default, kv_ngram, one_token_a_step):
-    schema_prompts, schema_params = schema_requests(kv_default)
-    regex_prompts, regex_params = regex_requests(kv_default)
-    prompts, params = schema_prompts + regex_prompts, schema_params + regex_params
-    schemas, _, regexes = one_token_a_step
-    ref = schemas + regexes
+def test_constrained_outputs_identical_with_speculation(kv_ngram, one_token_a_step):
+    ref = one_token_a_step
     for jf in (False, True):
         stats0 = kv_ngram.engine.stats()
         with jump_forward(kv_ngram, jf):
-            out, _ = run_alone(kv_ngram, prompts, params)
-        for i, (a, b) in enumerate(zip(ref, out, strict=True)):
+            out, _ = run_alone(kv_ngram, ref.prompts, ref.params)
+        for i, (a, b) in enumerate(zip(ref.outputs, out, strict=True)):
             assert b.outputs[0].token_ids == a.outputs[0].token_ids, (jf, i)
         stats = kv_ngram.engine.stats()
         # The proposer's guesses ran under the grammar, and some were right.
