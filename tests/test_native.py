@@ -272,15 +272,17 @@ def test_int8_weights_with_int16_activations(N: int, K: int) -> None:
         native_linear(F32, torch.randn(N, K), K, wide_acts=True)
 
 
-@pytest.mark.parametrize("layout", ["q8", "q4", "q4f", "q8b-g16", "q8b-min-f32",
-                                    "q8b-g32-f16"])
-def test_batch1_weight_rows_in_fours(layout: str) -> None:
-    # Below 4 activation rows the AVX2 kernels take 4 weight rows a call (Q4, Q4F, and the
-    # 8-bit layouts with int16 activations: the head), the rest of a thread's share one at
-    # a time. Row counts around 4 and around the threads' split (1 and 2 threads), K with
-    # an odd last group (544, 96: 17 and 3 groups): each row equals the reference, and
-    # (the same arithmetic) the row computed in one call with 4 activation rows.
-    wide = layout.startswith("q8")
+@pytest.mark.parametrize(("layout", "wide"), [
+    ("q8", True), ("q4", False), ("q4f", False),
+    *((q8b, wide) for q8b in ("q8b-g16", "q8b-min-f32", "q8b-g32-f16") for wide in (True, False)),
+])
+def test_batch1_weight_rows_in_fours(layout: str, wide: bool) -> None:
+    # Below 4 activation rows the AVX2 kernels take 4 weight rows a call (Q4, Q4F, the
+    # grouped int8 layouts with int8 activations, and the 8-bit layouts with int16
+    # activations: the head), the rest of a thread's share one at a time. Row counts around
+    # 4 and around the threads' split (1 and 2 threads), K with an odd last group (544, 96:
+    # 17 and 3 groups): each row equals the reference, and (the same arithmetic) the row
+    # computed in one call with 4 activation rows.
     threads = torch.get_num_threads()
     try:
         for N, K in ((1, 544), (3, 576), (6, 576), (13, 544), (37, 96), (70, 1536)):
