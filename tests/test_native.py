@@ -273,16 +273,17 @@ def test_int8_weights_with_int16_activations(N: int, K: int) -> None:
 
 
 @pytest.mark.parametrize(("layout", "wide"), [
-    ("q8", True), ("q4", False), ("q4f", False),
-    *((q8b, wide) for q8b in ("q8b-g16", "q8b-min-f32", "q8b-g32-f16") for wide in (True, False)),
+    ("q4", False), ("q4f", False),
+    *((q8, wide) for q8 in ("q8", "q8b-g16", "q8b-min-f32", "q8b-g32-f16")
+      for wide in (True, False)),
 ])
 def test_batch1_weight_rows_in_fours(layout: str, wide: bool) -> None:
-    # Below 4 activation rows the AVX2 kernels take 4 weight rows a call (Q4, Q4F, the
-    # grouped int8 layouts with int8 activations, and the 8-bit layouts with int16
-    # activations: the head), the rest of a thread's share one at a time. Row counts around
-    # 4 and around the threads' split (1 and 2 threads), K with an odd last group (544, 96:
-    # 17 and 3 groups): each row equals the reference, and (the same arithmetic) the row
-    # computed in one call with 4 activation rows.
+    # Below 4 activation rows the AVX2 kernels take 4 weight rows a call (Q4, Q4F, and the
+    # 8-bit layouts with int8 activations or with int16 ones: the head), the rest of a
+    # thread's share one at a time. Row counts around 4 and around the threads' split (1
+    # and 2 threads), K with an odd last group (544, 96: 17 and 3 groups): each row equals
+    # the reference, and (the same arithmetic) the row computed in one call with 4
+    # activation rows.
     threads = torch.get_num_threads()
     try:
         for N, K in ((1, 544), (3, 576), (6, 576), (13, 544), (37, 96), (70, 1536)):

@@ -185,12 +185,9 @@ void row_q8(const int8_t* W, const float* scales, const QuantizedActs& A, int64_
   for (int c = 0; c < C; ++c) acc0[c] = acc1[c] = _mm256_setzero_ps();
   auto block = [&](int64_t b, __m256* acc) {
     const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kGroup));
-    const __m256i aw = _mm256_sign_epi8(wv, wv);  // |w|, shared by every activation row
     for (int c = 0; c < C; ++c) {
-      const __m256i xv = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(A.q.data() + (m0 + c) * K + b * kGroup));
-      const __m256i dot = _mm256_madd_epi16(
-          _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv, wv)), _mm256_set1_epi16(1));
+      const __m256i dot = dot_s8s8(wv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                                           A.q.data() + (m0 + c) * K + b * kGroup)));
       acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
                                _mm256_set1_ps(A.d[(m0 + c) * nb + b]), acc[c]);
     }
@@ -379,11 +376,7 @@ void rows_q4(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, int
           _mm256_cvtepi32_ps(dot_u8s8(unpack_q4(codes[r] + b * (kGroup / 2)), xv)),
           _mm256_broadcast_ss(&sx[r][b]), acc1[r]);
   }
-  __m256 tot[R];
-  for (int r = 0; r < R; ++r) tot[r] = _mm256_add_ps(acc0[r], acc1[r]);
-  float dots[R];
-  hsum_rows<R>(tot, dots);
-  for (int r = 0; r < R; ++r) Y[m * N + n + r] = out[r] + dots[r];
+  store_row_sums<R>(acc0, acc1, out, Y + m * N + n);
 }
 #endif
 
@@ -445,17 +438,6 @@ inline __m256 q8b_block_factors(const float* sx, int64_t b) {
   return pair_factors(sx + 2 * b);
 }
 
-// Block b's int32 dot products of int8 codes w against int8 activations x: |w| as the
-// unsigned operand, x given w's signs (-128 -> 128 as u8).
-inline __m256i q8_block_dot(__m256i wv, __m256i xv) {
-  const __m256i wa = _mm256_sign_epi8(wv, wv);
-  const __m256i xs = _mm256_sign_epi8(xv, wv);
-#ifdef KVLOOP_VNNI
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), wa, xs);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xs), _mm256_set1_epi16(1));
-#endif
-}
 #endif
 
 template <int C, bool F32S, int G, bool MIN>
@@ -473,7 +455,7 @@ void row_q8b(const int8_t* W, const uint8_t* S, const QuantizedActs& A, int64_t 
   auto block = [&](int64_t b, __m256* acc) {
     const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kGroup));
     for (int c = 0; c < C; ++c) {
-      const __m256i dot = q8_block_dot(
+      const __m256i dot = dot_s8s8(
           wv, _mm256_loadu_si256(
                   reinterpret_cast<const __m256i*>(A.q.data() + (m0 + c) * K + b * kGroup)));
       acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), q8b_block_factors<G>(sx[c], b), acc[c]);
@@ -521,16 +503,41 @@ void rows_q8b(const int8_t* W, const uint8_t* S, const QuantizedActs& A, int64_t
     for (int r = 0; r < R; ++r) {
       const __m256i wv =
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * K + b * kGroup));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_block_dot(wv, xv)),
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8s8(wv, xv)),
                                q8b_block_factors<G>(sx[r], b), acc[r]);
     }
   };
   even_odd_blocks(nb, acc0, acc1, block);
-  __m256 tot[R];
-  for (int r = 0; r < R; ++r) tot[r] = _mm256_add_ps(acc0[r], acc1[r]);
-  float dots[R];
-  hsum_rows<R>(tot, dots);
-  for (int r = 0; r < R; ++r) Y[m * N + n + r] = out[r] + dots[r];
+  store_row_sums<R>(acc0, acc1, out, Y + m * N + n);
+}
+
+// row_q8<1> for weight rows n..n+R against activation row m, as rows_q8b: the block's
+// activation scale is the one factor, shared by the R rows; the row scales come last.
+template <int R>
+void rows_q8(const int8_t* W, const float* scales, const QuantizedActs& A, int64_t N,
+             int64_t n, int64_t m, float* Y) {
+  const int64_t K = A.K, nb = K / kGroup;
+  const int8_t* w = W + n * K;  // rows n..n+R, contiguous
+  RowPrefetch pf(w, R * K, nb);
+  const int8_t* xq = A.q.data() + m * K;
+  const float* xd = A.d.data() + m * nb;
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  auto block = [&](int64_t b, __m256* acc) {
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + b * kGroup));
+    const __m256 d = _mm256_set1_ps(xd[b]);
+    pf.next();
+    for (int r = 0; r < R; ++r) {
+      const __m256i wv =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * K + b * kGroup));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_s8s8(wv, xv)), d, acc[r]);
+    }
+  };
+  even_odd_blocks(nb, acc0, acc1, block);
+  float out[R];
+  const float zero[R] = {};
+  store_row_sums<R>(acc0, acc1, zero, out);
+  for (int r = 0; r < R; ++r) Y[m * N + n + r] = out[r] * scales[n + r];
 }
 #endif
 
@@ -802,11 +809,18 @@ void rows_batch1(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m
       case WeightKind::Q4F:
         rows_q4<R, true>(L.weight.data_ptr<uint8_t>(), A, N, n, m, y);
         break;
+#if defined(KVLOOP_MULTI_ROW_WIDE) || defined(KVLOOP_MULTI_ROW_Q8B)
+      case WeightKind::Q8: {
+        const int8_t* W = L.weight.data_ptr<int8_t>();
+        const float* scales = L.scales.data_ptr<float>();
 #ifdef KVLOOP_MULTI_ROW_WIDE
-      case WeightKind::Q8:  // multi_row: only with int16 activations
-        rows_q8_wide<R>(L.weight.data_ptr<int8_t>(), L.scales.data_ptr<float>(), A, N, n, m,
-                        y);
+        if (L.wide_acts) rows_q8_wide<R>(W, scales, A, N, n, m, y);
+#endif
+#ifdef KVLOOP_MULTI_ROW_Q8B
+        if (!L.wide_acts) rows_q8<R>(W, scales, A, N, n, m, y);
+#endif
         break;
+      }
 #endif
 #if defined(KVLOOP_MULTI_ROW_WIDE) || defined(KVLOOP_MULTI_ROW_Q8B)
       case WeightKind::Q8B: {
@@ -847,11 +861,8 @@ bool multi_row(const QLinear& L) {
     case WeightKind::Q5_0:
     case WeightKind::Q5_1:
       return true;
-#ifdef KVLOOP_MULTI_ROW_WIDE
-    case WeightKind::Q8:
-      return L.wide_acts;
-#endif
-    case WeightKind::Q8B:  // int8 activations (rows_q8b) or int16 ones (the head)
+    case WeightKind::Q8:   // int8 activations (rows_q8) or int16 ones (the head)
+    case WeightKind::Q8B:  // int8 activations (rows_q8b) or int16 ones
 #ifdef KVLOOP_MULTI_ROW_Q8B
       if (!L.wide_acts) return true;
 #endif

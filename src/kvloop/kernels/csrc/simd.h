@@ -53,6 +53,13 @@ inline __m256i dot_u8s8(__m256i u, __m256i x) {
 #endif
 }
 
+// s8 x s8 dot products of 32 bytes (w: int8 codes, x: int8 activations), lanes as
+// dot_u8s8's: |w| as the unsigned operand against x given w's signs (-128 -> 128 as u8;
+// the compiler computes |w| once where several x meet the same w).
+inline __m256i dot_s8s8(__m256i w, __m256i x) {
+  return dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
 // Sum of the 8 lanes.
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -82,6 +89,18 @@ inline void hsum_rows(const __m256 (&v)[R], float (&out)[R]) {
   static_assert(R % 4 == 0, "hsum_rows: a multiple of 4 rows");
   for (int r = 0; r < R; r += 4)
     _mm_storeu_ps(out + r, hsum4(v[r], v[r + 1], v[r + 2], v[r + 3]));
+}
+
+// y[r] = base[r] + the horizontal sum of acc0[r] + acc1[r]: the end of a multi-row kernel
+// (R weight rows' two accumulators each, against one activation row).
+template <int R>
+inline void store_row_sums(const __m256 (&acc0)[R], const __m256 (&acc1)[R],
+                           const float (&base)[R], float* y) {
+  __m256 tot[R];
+  for (int r = 0; r < R; ++r) tot[r] = _mm256_add_ps(acc0[r], acc1[r]);
+  float dots[R];
+  hsum_rows<R>(tot, dots);
+  for (int r = 0; r < R; ++r) y[r] = base[r] + dots[r];
 }
 
 // {f[0] x4, f[1] x4}: the factors of two adjacent groups (or half blocks) for the lanes
