@@ -67,10 +67,12 @@ BF16_POLICY = GemmPolicy("AVX512-BF16", 16, True, 65, 16, 16)
 # Without fast bf16 (AVX2 + FMA, or AVX-512 without BF16): decoded to fp32. The int8 GEMM
 # on AVX2 (vpmaddubsw, int16 sums of up to 4 products for 4- to 6-bit codes), one core of
 # a Zen 3, against the row kernels: Llama-3.2-1B-shaped layers (8192x2048, 2048x8192) at 8
-# rows take 0.64-0.72x their time for Q4_K, 0.58-0.65x for Q6_K, but 0.95-1.04x for Q8_0
-# (16 rows: 0.72-0.77x); the default model's int4 layers (K = 576) 0.83-1.06x at 8 rows,
-# its int8 ones 1.03-1.10x at 16 and 0.93-0.98x at 24-32. So 4- to 6-bit codes from 8 rows,
-# 8-bit ones from 16.
+# rows take 0.64-0.72x their time for Q4_K, 0.58-0.65x for Q6_K; the default model's int4
+# layers (K = 576) 0.83-1.06x at 8 rows. 8-bit codes (two cores, weights from memory; the
+# GEMM reads them where they are stored, without a copy): Q8_0 1B-shaped 0.79-0.87x at 8 rows,
+# 0.76-0.78x at 16; the default model's int8 layers 0.97-1.11x at 8, 0.89-0.95x at 16,
+# 0.85-0.91x at 32. So 4- to 6-bit codes from 8 rows, 8-bit ones from 16 (where the int8
+# layers tie at 8).
 FP32_POLICY = GemmPolicy("AVX2 + FMA", 65, False, 65, 8, 16)
 # The AVX512-BF16 row threshold under the name the kernel tests use.
 BF16_MIN_ROWS = BF16_POLICY.quantized_min_rows

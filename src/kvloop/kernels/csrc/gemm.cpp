@@ -234,30 +234,23 @@ void eight_bit_factors(const QLinear& L, int64_t n, float* sc, float* mn) {
   }
 }
 
-// Weight row n as codes [K], scales [K / sub], mins [K / 32] (has_min), w = sc * c + mn,
-// and the corrections [K / sub] (sub: format_of(L).sub).
-void unpack_row(const QLinear& L, int64_t n, int64_t sub, int8_t* codes, float* sc, float* mn,
+// Weight row n of a layer with packed codes (GGUF blocks as stored, Q4, Q4F) as codes [K],
+// scales [K / 32 or 16], mins [K / 32] (where it has them), w = sc * c + mn, and the
+// corrections [K / 32 or 16]. (8-bit codes are read where they are: RowTile::load.)
+void unpack_row(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn,
                 int32_t* corr) {
-  const int64_t K = L.in_features, nb = K / kGroup;
   if (is_stored(L.kind)) return stored_unpack_row(L, n, codes, sc, mn, corr);
-  switch (L.kind) {
-    case WeightKind::Q8:
-    case WeightKind::Q8B:
-      std::memcpy(codes, L.weight.data_ptr<int8_t>() + n * K, K);
-      eight_bit_factors(L, n, sc, mn);
-      break;
-    default: {  // Q4 / Q4F: a row's scales, then its mins, then 16 code bytes per group
-      const bool f32s = L.kind == WeightKind::Q4F;
-      const int64_t width = f32s ? 4 : 2;
-      const uint8_t* row = L.weight.data_ptr<uint8_t>() + n * nb * (2 * width + 16);
-      for (int64_t g = 0; g < nb; ++g) {
-        sc[g] = f32s ? scale_at<true>(row, g) : scale_at<false>(row, g);
-        mn[g] = f32s ? scale_at<true>(row + 4 * nb, g) : scale_at<false>(row + 2 * nb, g);
-      }
-      return unpack_nibbles(row + 2 * width * nb, nb, codes, corr);  // sub: kGroup
-    }
+  TORCH_CHECK(L.kind == WeightKind::Q4 || L.kind == WeightKind::Q4F, "not a packed layout");
+  // Q4 / Q4F: a row's scales, then its mins, then 16 code bytes per group
+  const int64_t nb = L.in_features / kGroup;
+  const bool f32s = L.kind == WeightKind::Q4F;
+  const int64_t width = f32s ? 4 : 2;
+  const uint8_t* row = L.weight.data_ptr<uint8_t>() + n * nb * (2 * width + 16);
+  for (int64_t g = 0; g < nb; ++g) {
+    sc[g] = f32s ? scale_at<true>(row, g) : scale_at<false>(row, g);
+    mn[g] = f32s ? scale_at<true>(row + 4 * nb, g) : scale_at<false>(row + 2 * nb, g);
   }
-  code_corrections(codes, K, sub, corr);
+  unpack_nibbles(row + 2 * width * nb, nb, codes, corr);
 }
 
 // Row n of an 8-bit-code layer (Q8, Q8B) as tile_pairs takes it: its codes widened to
@@ -282,33 +275,47 @@ void unpack_row_pairs(const QLinear& L, int64_t n, int16_t* c16, float* sc, floa
 struct RowTile {
   int64_t K = 0, sub = kGroup;
   bool pairs = false;          // codes16 instead of codes and corr (kPairs)
-  std::vector<int8_t> codes;   // [kR, K]
+  bool corrected = true;       // whether the tile reads corr (the +128 forms: kOffset, kWide)
+  std::vector<int8_t> codes;   // [kR, K]: the rows unpacked from packed layouts
+  const int8_t* rows[kR] = {};   // each row's codes: in codes, or 8-bit ones in the weight
   std::vector<int16_t> codes16;  // [kR, K] the codes widened, for kPairs
   std::vector<float> sc, mn;   // [kR, K / sub], [kR, K / 32]
   std::vector<int32_t> corr;   // [kR, K / sub]: -128 * sum of the group's codes
 
-  void reserve(int64_t K_, int64_t sub_, bool pairs_ = false) {
+  void reserve(int64_t K_, int64_t sub_, bool pairs_, bool corrected_) {
     K = K_;
     sub = sub_;
     pairs = pairs_;
+    corrected = corrected_;
     codes.resize(pairs ? 0 : kR * K);
     codes16.resize(pairs ? kR * K : 0);
     sc.resize(kR * (K / sub));
     mn.resize(kR * (K / kGroup));
     corr.resize(pairs ? 0 : kR * (K / sub));
   }
-  const int8_t* c(int r) const { return codes.data() + r * K; }
+  const int8_t* c(int r) const { return rows[r]; }
   const int16_t* c16(int r) const { return codes16.data() + r * K; }
   const float* s(int r) const { return sc.data() + r * (K / sub); }
   const float* m(int r) const { return mn.data() + r * (K / kGroup); }
   const int32_t* x(int r) const { return corr.data() + r * (K / sub); }
 
   void load(const QLinear& L, int64_t n, int r) {
-    if (pairs)
-      return unpack_row_pairs(L, n, codes16.data() + r * K, sc.data() + r * (K / sub),
-                              mn.data() + r * (K / kGroup));
-    unpack_row(L, n, sub, codes.data() + r * K, sc.data() + r * (K / sub),
-               mn.data() + r * (K / kGroup), corr.data() + r * (K / sub));
+    float* s = sc.data() + r * (K / sub);
+    float* m = mn.data() + r * (K / kGroup);
+    if (pairs) return unpack_row_pairs(L, n, codes16.data() + r * K, s, m);
+    int32_t* x = corr.data() + r * (K / sub);
+    if (L.kind == WeightKind::Q8 || L.kind == WeightKind::Q8B) {
+      // 8-bit codes dot as they are stored: no copy, and their sums only where the tile
+      // reads them (at 8 rows of Q8_0 on AVX2, copying and summing were a third of the
+      // GEMM's time: perf, 8192x2048, one thread).
+      rows[r] = L.weight.data_ptr<int8_t>() + n * K;
+      eight_bit_factors(L, n, s, m);
+      if (corrected) code_corrections(rows[r], K, sub, x);
+      return;
+    }
+    int8_t* unpacked = codes.data() + r * K;
+    rows[r] = unpacked;
+    unpack_row(L, n, unpacked, s, m, x);
   }
 };
 
@@ -590,7 +597,7 @@ void gemm_t(const QLinear& L, const QuantizedActs& a, float* y) {
     const int64_t c1 = std::min(panels, c0 + chunk);
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       thread_local RowTile w;
-      w.reserve(K, SUB, kPairs);
+      w.reserve(K, SUB, kPairs, kDot == Dot::kOffset || kDot == Dot::kWide);
       float out[kTileR * kTileP * kLanes];
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t n0 = t * kTileR;
