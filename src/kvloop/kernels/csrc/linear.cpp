@@ -315,6 +315,13 @@ constexpr int kRows = 4;  // weight rows per call at batch 1
 
 #if defined(__AVX2__) && defined(__F16C__)
 #define KVLOOP_MULTI_ROW 1
+#ifndef __AVX512BW__
+// 8-bit codes (Q8, Q8B) in fours too, with int8 activations (rows_q8, rows_q8b) and with
+// int16 ones (the head: rows_q8_wide, rows_q8b_wide). AVX2 builds only: AVX-512's row_wide
+// takes 32 weights an instruction, a different summation, and the int8 ones were measured
+// on AVX2 only; the AVX-512 builds keep the one-row kernels at batch 1.
+#define KVLOOP_MULTI_ROW_8BIT 1
+#endif
 // row_q4<1, F32S> for rows n..n+R against activation row m.
 template <int R, bool F32S>
 void rows_q4(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, int64_t m,
@@ -437,7 +444,6 @@ inline __m256 q8b_block_factors(const float* sx, int64_t b) {
   if constexpr (G == kGroup) return _mm256_broadcast_ss(sx + b);
   return pair_factors(sx + 2 * b);
 }
-
 #endif
 
 template <int C, bool F32S, int G, bool MIN>
@@ -475,9 +481,7 @@ void row_q8b(const int8_t* W, const uint8_t* S, const QuantizedActs& A, int64_t 
   for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c];
 }
 
-#if defined(KVLOOP_MULTI_ROW) && !defined(__AVX512BW__)
-// (Measured on AVX2 only; the AVX-512 builds keep the one-row kernel at batch 1.)
-#define KVLOOP_MULTI_ROW_Q8B 1
+#ifdef KVLOOP_MULTI_ROW_8BIT
 // row_q8b<1, ...> for weight rows n..n+R against activation row m: the rows are adjacent
 // in W, one stream, prefetched ahead (RowPrefetch), and each activation load serves R rows.
 // One row at a time pays its factors, its horizontal sums and its two FMA chains' latency
@@ -695,9 +699,7 @@ void row_q8b_wide(const int8_t* W, const uint8_t* S, const QuantizedActs& A, int
   for (int c = 0; c < C; ++c) Y[(m0 + c) * N + n] = out[c];
 }
 
-#if defined(KVLOOP_MULTI_ROW) && !defined(__AVX512BW__)
-// (AVX-512's row_wide takes 32 weights an instruction, a different summation: not here.)
-#define KVLOOP_MULTI_ROW_WIDE 1
+#ifdef KVLOOP_MULTI_ROW_8BIT
 
 // row_wide<1> for R weight rows (w[r], factors sc[r]) against activation row m.
 template <int R, typename Scales>
@@ -809,32 +811,28 @@ void rows_batch1(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m
       case WeightKind::Q4F:
         rows_q4<R, true>(L.weight.data_ptr<uint8_t>(), A, N, n, m, y);
         break;
-#if defined(KVLOOP_MULTI_ROW_WIDE) || defined(KVLOOP_MULTI_ROW_Q8B)
+#ifdef KVLOOP_MULTI_ROW_8BIT
       case WeightKind::Q8: {
         const int8_t* W = L.weight.data_ptr<int8_t>();
         const float* scales = L.scales.data_ptr<float>();
-#ifdef KVLOOP_MULTI_ROW_WIDE
-        if (L.wide_acts) rows_q8_wide<R>(W, scales, A, N, n, m, y);
-#endif
-#ifdef KVLOOP_MULTI_ROW_Q8B
-        if (!L.wide_acts) rows_q8<R>(W, scales, A, N, n, m, y);
-#endif
+        if (L.wide_acts) {
+          rows_q8_wide<R>(W, scales, A, N, n, m, y);
+        } else {
+          rows_q8<R>(W, scales, A, N, n, m, y);
+        }
         break;
       }
-#endif
-#if defined(KVLOOP_MULTI_ROW_WIDE) || defined(KVLOOP_MULTI_ROW_Q8B)
       case WeightKind::Q8B: {
         const int8_t* W = L.weight.data_ptr<int8_t>();
         const auto* S = static_cast<const uint8_t*>(L.scales.data_ptr());
         with_q8b_variant(L, [&](auto f32s, auto g, auto mn) {
           constexpr bool kF32S = decltype(f32s)::value, kMin = decltype(mn)::value;
           constexpr int kG = decltype(g)::value;
-#ifdef KVLOOP_MULTI_ROW_WIDE
-          if (L.wide_acts) return rows_q8b_wide<R, kF32S, kG, kMin>(W, S, A, N, n, m, y);
-#endif
-#ifdef KVLOOP_MULTI_ROW_Q8B
-          if (!L.wide_acts) return rows_q8b<R, kF32S, kG, kMin>(W, S, A, N, n, m, y);
-#endif
+          if (L.wide_acts) {
+            rows_q8b_wide<R, kF32S, kG, kMin>(W, S, A, N, n, m, y);
+          } else {
+            rows_q8b<R, kF32S, kG, kMin>(W, S, A, N, n, m, y);
+          }
         });
         break;
       }
@@ -861,15 +859,11 @@ bool multi_row(const QLinear& L) {
     case WeightKind::Q5_0:
     case WeightKind::Q5_1:
       return true;
-    case WeightKind::Q8:   // int8 activations (rows_q8) or int16 ones (the head)
-    case WeightKind::Q8B:  // int8 activations (rows_q8b) or int16 ones
-#ifdef KVLOOP_MULTI_ROW_Q8B
-      if (!L.wide_acts) return true;
+#ifdef KVLOOP_MULTI_ROW_8BIT
+    case WeightKind::Q8:
+    case WeightKind::Q8B:
+      return true;
 #endif
-#ifdef KVLOOP_MULTI_ROW_WIDE
-      if (L.wide_acts) return true;
-#endif
-      return false;
     default:
       return false;
   }
@@ -882,7 +876,7 @@ bool multi_row(const QLinear& L) {
 template <int C, bool F32S, int G, bool MIN>
 void row_q8b_all(const QLinear& L, const float* x, const QuantizedActs* A, int64_t m0,
                  int64_t m1, int64_t n, float* y) {
-  const int64_t N = L.out_features, K = L.in_features;
+  const int64_t N = L.out_features;
   const int8_t* W = L.weight.data_ptr<int8_t>();
   const auto* S = static_cast<const uint8_t*>(L.scales.data_ptr());
   int64_t m = m0;
