@@ -852,12 +852,14 @@ bool multi_row(const QLinear& L) {
   switch (L.kind) {
     case WeightKind::Q4:
     case WeightKind::Q4F:
-    // GGUF blocks as stored (stored_rows_at_once), but Q6_K: its 4-row kernel measured
-    // 0-5% slower than one row at a time (its factors and sign trick fill the registers).
+    // GGUF blocks as stored (stored_rows_at_once). Q6_K's 4-row kernel measured 0-5%
+    // slower than one row at a time while its factors were float permutes held in
+    // registers; with its scales applied in integers, 1.1x from memory (stored_blocks.cpp).
     case WeightKind::Q4_K:
     case WeightKind::Q5_K:
     case WeightKind::Q5_0:
     case WeightKind::Q5_1:
+    case WeightKind::Q6_K:
       return true;
 #ifdef KVLOOP_MULTI_ROW_8BIT
     case WeightKind::Q8:

@@ -13,7 +13,12 @@
 //   sum_k w_k x_k = sum_g (s_g d_g) u_g . q_g + mn_g A.s_g
 // with the u . q dot products on AVX2's u8 x s8 multiply-add or VNNI's vpdpbusd, as the
 // other int8 kernels (linear.cpp). Q6_K's codes are signed (u - 32, per 16 weights), and
-// take linear.cpp's Q8B sign trick instead of a min term per 16.
+// take linear.cpp's Q8B sign trick instead of a min term per 16. Its scales are d times
+// an int8 per 16 weights: on AVX2 without VNNI (kQ6KIntScales) the int8 ones
+// multiply the pair sums in the widening vpmaddwd, in place of its ones, so a group's
+// integer sum leaves already scaled and meets one float factor (d times the activations'
+// scale) as the other formats' do. Exact: a lane is at most 2 x (2 x 32 x 127) x 128 <
+// 2^24, so its float is too.
 
 #include "kvloop.h"
 
@@ -29,7 +34,17 @@ namespace kvloop {
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int kCols = 4;  // activation rows sharing one pass over a weight row (linear.cpp)
+constexpr int kCols = 4;
+// Q6_K's int8 scales applied in integers (see the top): the factor of each of its 16
+// weights otherwise came from a float permute per group, which this Zen 3 issues at one
+// every two cycles (one thread, a row at a time, in cache: 8.3 -> 7.2 cycles per 32
+// weights). VNNI's vpdpbusd leaves no int16 pair sums to scale.
+constexpr bool kQ6KIntScales =
+#if defined(__AVX2__) && !defined(KVLOOP_VNNI)
+    true;
+#else
+    false;
+#endif  // activation rows sharing one pass over a weight row (linear.cpp)
 
 // Weights per block, bytes per block, weights per scale, bits per code.
 template <WeightKind K> struct Traits;
@@ -316,9 +331,11 @@ inline void group_factors(const uint8_t* b, __m256& s, __m256& mn) {
 // batch against one weight row, or at batch 1 R = kStoredRowsAtOnce weight rows against
 // one activation row, which then share its loads and keep 2R FMA chains in flight.
 // Measured on Zen 3 (avx2, one thread, against one row at a time): Q4_K 1.22x, Q5_K 1.1x,
-// Q5_0 1.17x at Gemma 3's K = 640 (equal from K = 2048); Q6_K 0.95-1.0x, so it stays one
-// row at a time (linear.cpp's multi_row). Every (weight row, activation row) pair takes the
-// same operations in the same order either way: the results are bit-identical.
+// Q5_0 1.17x at Gemma 3's K = 640 (equal from K = 2048). Q6_K with its scales in
+// integers: 0.93x in cache, but 1.1x with the weights read from memory (two threads,
+// 8192x2048: 19.3 -> 21.4 GB/s), where RowPrefetch streams the 4 rows ahead. Every
+// (weight row, activation row) pair takes the same operations in the same order either
+// way: the results are bit-identical.
 template <int C, int R, WeightKind K>
 void rows_stored(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, int64_t m0,
                  float* Y) {
@@ -339,10 +356,13 @@ void rows_stored(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n,
   for (int i = 0; i < I; ++i) acc[0][i] = acc[1][i] = zp[i] = _mm256_setzero_ps();
   // Per pair, the block's factor of each dot product, weight scale x activation scale:
   // per group of 32 in fac, read back broadcast; Q6_K's per 16 in registers, lanes 2g',
-  // 2g' + 1 of fac16[h] for group 4h + g' (its two halves). Measured both ways on Zen 3:
-  // memory is 8-15% faster for the others, registers 10% for Q6_K.
+  // 2g' + 1 of fac16[h] for group 4h + g' (its two halves), where its int8 scales are not
+  // applied in integers (VNNI builds); there, d times the activations' scale in fac and
+  // the int8 scales in sc16. Measured both ways on Zen 3: memory is 8-15% faster for the
+  // others, registers 10% for Q6_K's float factors.
   alignas(32) float fac[I][8];
   __m256 fac16[2][I];
+  alignas(32) int16_t sc16[R][16];  // kQ6KIntScales: a block's 16 int8 scales as int16
   for_each_run<K>(Kd, [&](auto layout, int64_t blocks, int64_t byte0, int64_t group0) {
     constexpr WeightKind KB = decltype(layout)::value;
     using T = Traits<KB>;
@@ -355,7 +375,16 @@ void rows_stored(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n,
       KVLOOP_UNROLL
       for (int r = 0; r < R; ++r) {
         const uint8_t* b = rows[r] + at;
-        if constexpr (kSigned) {
+        if constexpr (kSigned && kQ6KIntScales) {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(sc16[r]),
+                             _mm256_cvtepi8_epi16(
+                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
+          const __m256 d = _mm256_set1_ps(f16_at(b + 208));
+          KVLOOP_UNROLL
+          for (int c = 0; c < C; ++c)
+            _mm256_store_ps(fac[c * R + r],
+                            _mm256_mul_ps(d, _mm256_loadu_ps(A.d.data() + (m0 + c) * nb + g0)));
+        } else if constexpr (kSigned) {
           // 16 int8 scales times d, as block_factors: two vectors of 8 (groups 0-3, 4-7).
           const __m256 d = _mm256_set1_ps(f16_at(b + 208));
           const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
@@ -408,22 +437,39 @@ void rows_stored(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n,
             w = _mm256_sub_epi8(u, _mm256_set1_epi8(32));
             aw = _mm256_sign_epi8(w, w);  // |w| as u8; w's sign moves onto x
           }
+          // kQ6KIntScales: the group's two int8 scales as int16 lanes, its first 16
+          // weights' pair sums (the low half) taking scale 2g, the last 16's 2g + 1.
+          __m256i sv = _mm256_setzero_si256();
+          if constexpr (kSigned && kQ6KIntScales) {
+            constexpr int j = 4 * (decltype(g)::value % 4);
+            sv = _mm256_shuffle_epi8(
+                _mm256_broadcastsi128_si256(
+                    _mm_load_si128(reinterpret_cast<const __m128i*>(sc16[r] + 8 * (g / 4)))),
+                _mm256_setr_epi8(j, j + 1, j, j + 1, j, j + 1, j, j + 1, j, j + 1, j, j + 1, j,
+                                 j + 1, j, j + 1, j + 2, j + 3, j + 2, j + 3, j + 2, j + 3, j + 2,
+                                 j + 3, j + 2, j + 3, j + 2, j + 3, j + 2, j + 3, j + 2, j + 3));
+          }
           KVLOOP_UNROLL
           for (int c = 0; c < C; ++c) {
             const int i = c * R + r;
             const __m256i xs = kSigned ? _mm256_sign_epi8(x[c], w) : x[c];
+            __m256i dot;
             __m256 f;
-            if constexpr (kSigned) {
+            if constexpr (kSigned && kQ6KIntScales) {
+              dot = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), sv);
+              f = _mm256_broadcast_ss(&fac[i][g]);
+            } else if constexpr (kSigned) {
               // lanes 0-3 hold the dot product's first 16 weights, 4-7 its last 16: the
               // group's two scales
               constexpr int j = 2 * (decltype(g)::value % 4);
+              dot = dot_u8s8(aw, xs);
               f = _mm256_permutevar8x32_ps(
                   fac16[g / 4][i], _mm256_setr_epi32(j, j, j, j, j + 1, j + 1, j + 1, j + 1));
             } else {
+              dot = dot_u8s8(aw, xs);
               f = _mm256_broadcast_ss(&fac[i][g]);
             }
-            acc[g & 1][i] =
-                _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(aw, xs)), f, acc[g & 1][i]);
+            acc[g & 1][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), f, acc[g & 1][i]);
           }
         }
       });
