@@ -852,18 +852,17 @@ bool multi_row(const QLinear& L) {
   switch (L.kind) {
     case WeightKind::Q4:
     case WeightKind::Q4F:
-    // GGUF blocks as stored (stored_rows_at_once). Q6_K's 4-row kernel measured 0-5%
-    // slower than one row at a time while its factors were float permutes held in
-    // registers; with its scales applied in integers (vpmaddubsw builds), 1.1x from
-    // memory (stored_blocks.cpp). VNNI builds keep the float factors, and one row.
+    // GGUF blocks as stored (stored_rows_at_once).
     case WeightKind::Q4_K:
     case WeightKind::Q5_K:
     case WeightKind::Q5_0:
     case WeightKind::Q5_1:
-#ifndef KVLOOP_VNNI
-    case WeightKind::Q6_K:
-#endif
       return true;
+    // Q6_K's 4-row kernel measured 0-5% slower than one row at a time while its factors
+    // were float permutes held in registers; with its scales applied in integers, 1.1x
+    // from memory (stored_blocks.cpp). Builds with the float factors keep one row.
+    case WeightKind::Q6_K:
+      return kQ6KIntScales;
 #ifdef KVLOOP_MULTI_ROW_8BIT
     case WeightKind::Q8:
     case WeightKind::Q8B:

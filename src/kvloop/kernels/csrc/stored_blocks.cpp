@@ -14,7 +14,7 @@
 // with the u . q dot products on AVX2's u8 x s8 multiply-add or VNNI's vpdpbusd, as the
 // other int8 kernels (linear.cpp). Q6_K's codes are signed (u - 32, per 16 weights), and
 // take linear.cpp's Q8B sign trick instead of a min term per 16. Its scales are d times
-// an int8 per 16 weights: on AVX2 without VNNI (kQ6KIntScales) the int8 ones
+// an int8 per 16 weights: on AVX2 without VNNI (kQ6KIntScales, simd.h) the int8 ones
 // multiply the pair sums in the widening vpmaddwd, in place of its ones, so a group's
 // integer sum leaves already scaled and meets one float factor (d times the activations'
 // scale) as the other formats' do. Exact: a lane is at most 2 x (2 x 32 x 127) x 128 <
@@ -34,17 +34,7 @@ namespace kvloop {
 namespace {
 
 constexpr int64_t kGroup = 32;
-constexpr int kCols = 4;
-// Q6_K's int8 scales applied in integers (see the top): the factor of each of its 16
-// weights otherwise came from a float permute per group, which this Zen 3 issues at one
-// every two cycles (one thread, a row at a time, in cache: 8.3 -> 7.2 cycles per 32
-// weights). VNNI's vpdpbusd leaves no int16 pair sums to scale.
-constexpr bool kQ6KIntScales =
-#if defined(__AVX2__) && !defined(KVLOOP_VNNI)
-    true;
-#else
-    false;
-#endif  // activation rows sharing one pass over a weight row (linear.cpp)
+constexpr int kCols = 4;  // activation rows sharing one pass over a weight row (linear.cpp)
 
 // Weights per block, bytes per block, weights per scale, bits per code.
 template <WeightKind K> struct Traits;
