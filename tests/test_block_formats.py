@@ -25,7 +25,7 @@ from kvloop.loading.loader import load_checkpoint
 from kvloop.models.attention import AttentionMetadata, PrefillSegment
 from kvloop.models.linear import Linear
 from kvloop.quant import BlockLinear, GroupWeights, StackedLinear
-from kvloop.quant.layout import Q4, Q4F, Q8B, STORED
+from kvloop.quant.layout import Q4, Q4F, Q8B, STORED, WIDE_ACTS_KINDS
 from kvloop.quant.stored import (
     BLOCK_TYPES,
     STORED_KINDS,
@@ -225,15 +225,18 @@ def test_fused_parts_of_different_formats() -> None:
 @pytest.mark.parametrize("kind", BLOCK_TYPES, ids=lambda k: k.name)
 def test_kernel_matches_reference_matmul(kind: T) -> None:
     """The kernel = the exactly dequantized weights x its own int8 activations (fp64
-    reference), within fp32 summation-order error; 8-bit layouts with int16 activations
-    too (the head's mode)."""
+    reference), within fp32 summation-order error; 8-bit layouts and Q6_K with int16
+    activations too (the head's mode)."""
     require_native_kernels()
     rows, cols = 40, 768
     lin = BlockLinear(decode(random_blocks(kind, rows, cols, 3, 0.01), kind, rows, cols),
                       bias=torch.randn(rows))
     k, w, K, sc, bias = lin.native_spec()
     g = torch.Generator().manual_seed(0)
-    for fa in ((False, True) if k == Q8B else (False,)):
+    if k not in WIDE_ACTS_KINDS:
+        with pytest.raises(RuntimeError, match="option of int8 weights and Q6_K blocks"):
+            native_linear(k, w, K, sc, bias, wide_acts=True)
+    for fa in ((False, True) if k in WIDE_ACTS_KINDS else (False,)):
         nl = native_linear(k, w, K, sc, bias, wide_acts=fa)
         for M in (1, 3, 6, 37, 70):
             x = torch.randn(M, K, generator=g)
@@ -293,11 +296,15 @@ def test_real_gemma_auto_runs_every_layer_as_stored(real_gemma_path: Path) -> No
     assert len(out[0].outputs[0].token_ids) == 8
 
 
-def last_logits(llm: LLM, ids: list[int]) -> torch.Tensor:  # [V]
+def all_logits(llm: LLM, ids: list[int]) -> torch.Tensor:  # [len(ids), V]
     model = llm.engine.model
     with torch.inference_mode():
         meta = AttentionMetadata(prefills=[PrefillSegment(0, len(ids))])
-        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), meta))[-1]
+        return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), meta))
+
+
+def last_logits(llm: LLM, ids: list[int]) -> torch.Tensor:  # [V]
+    return all_logits(llm, ids)[-1]
 
 
 # --- "auto" and "none" -------------------------------------------------------------------------
@@ -459,6 +466,49 @@ def test_fused_layer_of_mixed_formats_with_bias_loads(tmp_path: Path,
     ids = [5, 17, 42, 7, 99, 3]
     ours, ref = last_logits(stored, ids), last_logits(fp32, ids)
     assert float((ours - ref).abs().max() / ref.abs().max()) < 0.05
+
+
+def test_a_q6_k_head_is_held_as_stored_with_int16_activations(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Q4_K_M file's head: the tied embedding's Q6_K blocks are the head as they are
+    (6.6 bits a weight where codes and scales took 10), with the head's int16 activations
+    (stored_blocks.cpp's rows_q6k_wide; from 16 rows the GEMM's pairs). Its logits are the
+    fp32 model's over the same weights to that rounding, at one row and at 20, and greedy
+    tokens are the same."""
+    require_native_kernels()
+    from conftest import write_tiny_model
+    from test_families import convert_to_gguf
+
+    add = gguf.GGUFWriter.add_tensor
+    vocab, hidden = 320, 256
+
+    def add_q6_k_table(self: Any, name: str, t: np.ndarray, **kw: Any) -> None:
+        if name == "token_embd.weight":  # random Q6_K blocks, d ~ 2e-4: weights up to ~0.8
+            t = random_blocks(T.Q6_K, vocab, hidden, seed=5)
+            d = (np.random.default_rng(6).uniform(1e-4, 3e-4, t.size // 210))
+            t.reshape(-1, 210)[:, 208:210] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+            kw["raw_dtype"] = T.Q6_K
+        add(self, name, t, **kw)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_q6_k_table)
+    hf = write_tiny_model(tmp_path / "llama", hidden_size=hidden, tie_word_embeddings=True,
+                          vocab_size=vocab)
+    path = convert_to_gguf(hf, tmp_path / "q6k.gguf", "llama")
+    monkeypatch.undo()
+    stored = LLM(path, kv_cache_memory="16MiB", quantization="gguf")
+    model = cast(Any, stored.engine.model)
+    head = model.lm_head
+    assert isinstance(head, BlockLinear) and head.native_spec()[0] == STORED["Q6_K"]
+    assert head.native.wide_acts and model.embed_stored is head  # held once, as stored
+    assert head.weight_bytes == vocab * hidden // 256 * 210
+    fp32 = LLM(path, kv_cache_memory="16MiB", quantization="none", pack_weights=False)
+    for ids in ([5, 17, 42], list(range(3, 23))):
+        ours, ref = all_logits(stored, ids), all_logits(fp32, ids)
+        assert float((ours - ref).abs().max() / ref.abs().max()) < 1e-3, len(ids)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 17, 42, 7], [99, 3, 250]]
+    assert ([o.outputs[0].token_ids for o in stored.generate(prompts, params)]
+            == [o.outputs[0].token_ids for o in fp32.generate(prompts, params)])
 
 
 def test_no_architecture_transforms_a_stored_matrix() -> None:

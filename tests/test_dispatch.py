@@ -181,7 +181,7 @@ GEMM_LAYOUTS = ["q8", "q4", "q4f", "q8b-g16", "q8b-min-f32", "q8b-g32-f16",
 def _gemm_layer(mod: Any, layout: str, N: int, K: int, g: torch.Generator,
                 wide: bool = False) -> tuple[Any, Any]:
     """(native layer with a bias, the bias) in one of GEMM_LAYOUTS; wide: int16
-    activations (8-bit layouts only)."""
+    activations (the 8-bit layouts and Q6_K only)."""
     bias = torch.randn(N, generator=g)
     if layout in _layouts(8, 32, g):
         kind, w, sc = _layouts(N, K, g)[layout]
@@ -190,7 +190,7 @@ def _gemm_layer(mod: Any, layout: str, N: int, K: int, g: torch.Generator,
     raw = random_blocks(fmt, N, K, seed=int(fmt), scale=0.01)
     _normal_scales(raw, fmt, seed=int(fmt))
     kind, weight, _ = stored(raw, fmt, N, K).native()
-    return mod.QLinear(kind, weight, K, None, bias, False), bias
+    return mod.QLinear(kind, weight, K, None, bias, wide), bias
 
 
 def _gemm_against_row_kernels(lin: Any, x: torch.Tensor, what: str) -> torch.Tensor:
@@ -293,20 +293,20 @@ def test_int8_gemm_at_the_extremes_of_codes_and_activations(isa: str, layout: st
         assert_linear_close(y, (xd @ dense.T + bias.double()).float(), what)
 
 
-@pytest.mark.parametrize("layout", ["q8", "q8b-g16", "q8b-min-f32", "q8b-g32-f16"])
+@pytest.mark.parametrize("layout", ["q8", "q8b-g16", "q8b-min-f32", "q8b-g32-f16", "Q6_K"])
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512vnni"])
 def test_int8_gemm_with_int16_activations_equals_the_head_kernel(isa: str, layout: str) -> None:
     """A head's int16 activations (wide_acts) in the GEMM, equal to the head's row kernel
     and to the float64 reference over the int16 activations: as their low and high bytes
     in two panels, the sums recombined exactly; on the avx2 build, whose vpmaddubsw cannot
     take 8-bit codes against those bytes, as int16 pairs against the codes widened
-    (gemm_pairs)."""
+    (gemm_pairs), and Q6_K blocks (a Q4_K_M file's head) so too."""
     mod = _module(isa)
     N, K = 13, 4096
     g = _gen(len(layout) * 5 + len(isa))
     lin, bias = _gemm_layer(mod, layout, N, K, g, wide=True)
     assert lin.wide_acts and lin.gemm_supported
-    assert lin.gemm_pairs == (isa == "avx2" and layout.startswith("q8"))
+    assert lin.gemm_pairs == (isa == "avx2")
     dense = lin.decoded(False).double()
     for M in GEMM_ROWS:
         x = torch.randn(M, K, generator=g) * 3

@@ -268,7 +268,7 @@ def test_int8_weights_with_int16_activations(N: int, K: int) -> None:
         assert_linear_close(y, ref, f"M={M}")
         rounded = linear_reference(x, Q8, w, K, scales)
         assert (y - rounded).abs().max() > 100 * (y - ref).abs().max()
-    with pytest.raises(RuntimeError, match="int8-weight option"):
+    with pytest.raises(RuntimeError, match="option of int8 weights and Q6_K blocks"):
         native_linear(F32, torch.randn(N, K), K, wide_acts=True)
 
 

@@ -25,6 +25,7 @@ from kvloop.quant.layout import (
     Q4F,
     Q8,
     Q8B,
+    WIDE_ACTS_KINDS,
     dequantize_native,
     pack_q4,
     pack_q4f,
@@ -79,7 +80,7 @@ def linear_reference(x: torch.Tensor, kind: int, weight: torch.Tensor, in_featur
         y = x.double() @ weight.double().T
     else:
         if wide_acts:
-            assert kind in (Q8, Q8B) and scales is not None
+            assert kind in WIDE_ACTS_KINDS
             q, d = quantize_acts16_reference(x)
             xd = q.double() * d.double()
         else:
@@ -95,8 +96,8 @@ def native_linear(kind: int, weight: torch.Tensor, in_features: int,
                   scales: torch.Tensor | None = None, bias: torch.Tensor | None = None,
                   wide_acts: bool = False) -> Any:
     """A kernel-side linear layer (holds references to the tensors, no copies).
-    wide_acts (int8 weights only: Q8, Q8B): activations rounded to int16, one scale per row
-    (2^-15 of the row's largest), instead of int8 per block of 32."""
+    wide_acts (the kinds in WIDE_ACTS_KINDS: Q8, Q8B, stored Q6_K): activations rounded to
+    int16, one scale per row (2^-15 of the row's largest), instead of int8 per block of 32."""
     return _ext().QLinear(kind, weight, in_features, scales, bias, wide_acts)
 
 

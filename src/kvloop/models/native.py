@@ -19,7 +19,7 @@ from kvloop.kernels.linear import native_linear, native_stack
 from kvloop.models.base import GELU_TANH, SILU, CausalLM, LayerSpec, ModelSpec
 from kvloop.models.registry import get_architecture
 from kvloop.quant import BlockLinear, Int4Linear, Int8Linear, StackedLinear
-from kvloop.quant.layout import F32, Q8, Q8B
+from kvloop.quant.layout import F32, WIDE_ACTS_KINDS
 
 
 class _NativeLinear(Protocol):
@@ -29,10 +29,10 @@ class _NativeLinear(Protocol):
 
 def native_linear_of(module: object, wide_acts: bool = False) -> Any:
     """The native kernel over a linear module's weights (fp32, int8, int4 or a checkpoint's
-    blocks), no copy. wide_acts applies to the 8-bit kinds only."""
+    blocks), no copy. wide_acts applies to the kinds that take it (WIDE_ACTS_KINDS)."""
     kind, weight, in_features, scales, bias = cast(_NativeLinear, module).native_spec()
     return native_linear(kind, weight, in_features, scales, bias,
-                         wide_acts=wide_acts and kind in (Q8, Q8B))
+                         wide_acts=wide_acts and kind in WIDE_ACTS_KINDS)
 
 
 # The activations the native step computes (kvloop.models.base), by its codes.

@@ -22,7 +22,7 @@ from kvloop.quant import (
     Int8Linear,
     StackedLinear,
 )
-from kvloop.quant.layout import Q8B
+from kvloop.quant.layout import WIDE_ACTS_KINDS
 from kvloop.quant.stored import StoredRows, Weights, cat
 
 log = logging.getLogger(__name__)
@@ -113,8 +113,9 @@ def use_stored_blocks(model: CausalLM, source: Mapping[str, Weights]) -> set[str
     stored (kvloop.quant.stored.cat: q/k Q4_K with v Q6_K, q/k Q5_0 with v Q8_0), else
     one layout that holds every part exactly (GroupWeights.cat); where none can, or where
     a part is stored dense (F32/F16/BF16), the layer stays fp32. The head takes
-    int16 activations (see _attach_native), which the kernels take only with 8-bit codes:
-    a head stored as K-quant blocks is held as codes and scales. Returns the tensor names
+    int16 activations (see _attach_native), which the kernels take with 8-bit codes and
+    Q6_K blocks (WIDE_ACTS_KINDS): a head stored in another block format is held as codes
+    and scales. Returns the tensor names
     it took (the embedding's not among them: the lookup still reads it), so that it can
     run before the weights are loaded and the loader skips them.
 
@@ -131,7 +132,7 @@ def use_stored_blocks(model: CausalLM, source: Mapping[str, Weights]) -> set[str
         if not isinstance(lin, Linear) or not all(n in source for n in names):
             return
         w = cat([source[n] for n in names])
-        if is_head and isinstance(w, StoredRows):
+        if is_head and isinstance(w, StoredRows) and w.native()[0] not in WIDE_ACTS_KINDS:
             w = w.groups()
         if w is None:
             log.info("%s: formats with no common exact layout, kept fp32", names)
@@ -196,7 +197,7 @@ def _attach_native(layer: nn.Module, is_head: bool) -> None:
     if kernels.available() and layer.native is None:
         kind, weight, k, scales, bias = layer.native_spec()
         layer.native = kernels.native_linear(kind, weight, k, scales, bias,
-                                             wide_acts=is_head and kind == Q8B)
+                                             wide_acts=is_head and kind in WIDE_ACTS_KINDS)
 
 
 def quantized_layers(model: CausalLM) -> dict[str, torch.Tensor]:

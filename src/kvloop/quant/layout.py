@@ -26,6 +26,9 @@ import torch
 F32, Q8, Q4, Q4F, Q8B = 0, 1, 2, 3, 4
 STORED = {"Q4_K": 5, "Q5_K": 6, "Q6_K": 7, "Q5_0": 8, "Q5_1": 9}
 GROUP = 32
+# The kinds whose kernels take int16 activations (``wide_acts``: the output head): 8-bit
+# codes, and Q6_K blocks as stored (the head of Q4_K_M files).
+WIDE_ACTS_KINDS = frozenset({Q8, Q8B, STORED["Q6_K"]})
 
 
 def pack_q4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:

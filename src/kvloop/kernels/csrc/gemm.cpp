@@ -36,7 +36,9 @@
 //
 // On AVX2 without VNNI, 8-bit codes cannot meet those byte panels (2 x 255 x 128 overflows
 // vpmaddubsw's int16 pairs), so a head with 8-bit codes (Q8_0 files' tables, int8 heads)
-// takes its int16 activations as they are (Dot::kPairs, QLinear::gemm_pairs): panels of
+// takes its int16 activations as they are (Dot::kPairs, QLinear::gemm_pairs), and so does
+// a Q6_K head (Q4_K_M files), whose byte panels would cost two vpmaddubsw and a widening
+// per 4 weights where a pair costs one vpmaddwd per 2: panels of
 // 32-bit lanes holding two activations of a row, each pair of codes widened to int16 and
 // broadcast, one vpmaddwd advancing 8 rows' sums by 2 weights, exact in int32. Its row
 // kernel reads every activation row once per weight row, from L2: at 32 rows of Gemma 3's
@@ -253,12 +255,20 @@ void unpack_row(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn
   unpack_nibbles(row + 2 * width * nb, nb, codes, corr);
 }
 
-// Row n of an 8-bit-code layer (Q8, Q8B) as tile_pairs takes it: its codes widened to
-// int16 straight from the weights, and its factors; no corrections (int16 activations in
-// pairs carry no offset).
-void unpack_row_pairs(const QLinear& L, int64_t n, int16_t* c16, float* sc, float* mn) {
+// Row n of a layer with int16 activations (8-bit codes, Q6_K blocks) as tile_pairs takes
+// it: its codes widened to int16 (8-bit ones straight from the weights, Q6_K's unpacked
+// into `scratch` [K] first: corr [K / 16] is written there and not read), and its
+// factors; int16 activations in pairs carry no offset to correct.
+void unpack_row_pairs(const QLinear& L, int64_t n, int16_t* c16, float* sc, float* mn,
+                      int8_t* scratch, int32_t* corr) {
   const int64_t K = L.in_features;
-  const int8_t* w = L.weight.data_ptr<int8_t>() + n * K;
+  const int8_t* w = scratch;
+  if (is_stored(L.kind)) {
+    stored_unpack_row(L, n, scratch, sc, mn, corr);
+  } else {
+    w = L.weight.data_ptr<int8_t>() + n * K;
+    eight_bit_factors(L, n, sc, mn);
+  }
   int64_t k = 0;
 #ifdef __AVX2__
   for (; k + 16 <= K; k += 16)
@@ -267,7 +277,6 @@ void unpack_row_pairs(const QLinear& L, int64_t n, int16_t* c16, float* sc, floa
                             _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k))));
 #endif
   for (; k < K; ++k) c16[k] = w[k];
-  eight_bit_factors(L, n, sc, mn);
 }
 
 // A thread's unpacked weight rows: kR rows (a tile's most) of codes, scales, mins and
@@ -276,7 +285,8 @@ struct RowTile {
   int64_t K = 0, sub = kGroup;
   bool pairs = false;          // codes16 instead of codes and corr (kPairs)
   bool corrected = true;       // whether the tile reads corr (the +128 forms: kOffset, kWide)
-  std::vector<int8_t> codes;   // [kR, K]: the rows unpacked from packed layouts
+  std::vector<int8_t> codes;   // [kR, K]: the rows unpacked from packed layouts (kPairs:
+                               // Q6_K's before they are widened)
   const int8_t* rows[kR] = {};   // each row's codes: in codes, or 8-bit ones in the weight
   std::vector<int16_t> codes16;  // [kR, K] the codes widened, for kPairs
   std::vector<float> sc, mn;   // [kR, K / sub], [kR, K / 32]
@@ -287,11 +297,11 @@ struct RowTile {
     sub = sub_;
     pairs = pairs_;
     corrected = corrected_;
-    codes.resize(pairs ? 0 : kR * K);
+    codes.resize(kR * K);
     codes16.resize(pairs ? kR * K : 0);
     sc.resize(kR * (K / sub));
     mn.resize(kR * (K / kGroup));
-    corr.resize(pairs ? 0 : kR * (K / sub));
+    corr.resize(kR * (K / sub));
   }
   const int8_t* c(int r) const { return rows[r]; }
   const int16_t* c16(int r) const { return codes16.data() + r * K; }
@@ -302,8 +312,8 @@ struct RowTile {
   void load(const QLinear& L, int64_t n, int r) {
     float* s = sc.data() + r * (K / sub);
     float* m = mn.data() + r * (K / kGroup);
-    if (pairs) return unpack_row_pairs(L, n, codes16.data() + r * K, s, m);
     int32_t* x = corr.data() + r * (K / sub);
+    if (pairs) return unpack_row_pairs(L, n, codes16.data() + r * K, s, m, codes.data() + r * K, x);
     if (L.kind == WeightKind::Q8 || L.kind == WeightKind::Q8B) {
       // 8-bit codes dot as they are stored: no copy, and their sums only where the tile
       // reads them (at 8 rows of Q8_0 on AVX2, copying and summing were a third of the
@@ -784,7 +794,7 @@ bool QLinear::gemm_supported() const {
 }
 
 bool QLinear::gemm_pairs() const {
-  return kMaddubs && wide_acts && eight_bit_codes();
+  return kMaddubs && wide_acts;  // 8-bit codes and Q6_K alike (see the top)
 }
 
 void QLinear::set_int8_gemm(int64_t min_rows) {

@@ -85,8 +85,10 @@ struct QuantizedActs {
   std::vector<int8_t> qp;   // [M, K]     q with groups in pairs, for 4-bit weights (pair_acts)
   // The same rows as int16 codes per block of 32, for the head's kernel (wide_acts).
   std::vector<int16_t> q16;  // [M, K]
-  std::vector<float> d16;    // [M, K / 32]  scale: x ~= d16 * q16
+  std::vector<float> d16;    // [M]          scale: x ~= d16 * q16, one per row
   std::vector<float> s16;    // [M, K / 32]  d16 * sum(q16) of the block
+  std::vector<int16_t> q16x;  // [M, K] q16, each 32 as elements 0-7, 16-23, 8-15, 24-31
+                              // (lane_order_acts16: the Q6_K head's row kernel)
   at::Tensor xb;  // bf16 input of the batched path (QLinear::set_batched_decode)
   at::Tensor wb;  // a chunk of weight rows decoded for the batched path (set_batched_decode)
   std::vector<float> part_y;  // one stacked part's output (QLinear::stack)
@@ -214,6 +216,15 @@ void stored_decode_row(const QLinear& L, int64_t n, float* out);
 constexpr int kStoredRowsAtOnce = 4;
 void stored_rows_at_once(const QLinear& L, const QuantizedActs& A, int64_t m, int64_t n,
                          float* y);
+// Whether a stored kind has kernels for int16 activations (wide_acts: Q6_K, the head of
+// Q4_K_M files), and those kernels: as stored_rows and stored_rows_at_once, with A.q16.
+bool stored_takes_wide_acts(WeightKind kind);
+// a.q16x from a.q16: what stored_rows_wide reads.
+void lane_order_acts16(QuantizedActs& a);
+void stored_rows_wide(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m1,
+                      int64_t n, float* y);
+void stored_rows_wide_at_once(const QLinear& L, const QuantizedActs& A, int64_t m, int64_t n,
+                              float* y);
 // Row n as the int8 GEMM takes it: signed codes [K], w = sc[k / SUB] * code + mn[k / 32],
 // SUB = stored_gemm_sub (16 or 32), mn written only where stored_gemm_has_min; corr
 // [K / SUB]: -128 * the sum of each scale's codes (the GEMM's offset correction).

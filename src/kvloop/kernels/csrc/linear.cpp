@@ -839,7 +839,12 @@ void rows_batch1(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m
 #endif
       default:
         static_assert(R == kStoredRowsAtOnce, "the stored kernels take kStoredRowsAtOnce rows");
-        if (is_stored(L.kind)) stored_rows_at_once(L, A, m, n, y);
+        if (!is_stored(L.kind)) break;
+        if (L.wide_acts) {
+          stored_rows_wide_at_once(L, A, m, n, y);
+        } else {
+          stored_rows_at_once(L, A, m, n, y);
+        }
         break;
     }
   }
@@ -861,8 +866,9 @@ bool multi_row(const QLinear& L) {
     // Q6_K's 4-row kernel measured 0-5% slower than one row at a time while its factors
     // were float permutes held in registers; with its scales applied in integers, 1.1x
     // from memory (stored_blocks.cpp). Builds with the float factors keep one row.
+    // With int16 activations (a head), four rows too: measured in rows_q6k_wide.
     case WeightKind::Q6_K:
-      return kQ6KIntScales;
+      return kQ6KIntScales || L.wide_acts;
 #ifdef KVLOOP_MULTI_ROW_8BIT
     case WeightKind::Q8:
     case WeightKind::Q8B:
@@ -992,7 +998,11 @@ void row_all(const QLinear& L, const float* x, const QuantizedActs* A, int64_t m
       row_q8b_any<C>(L, x, A, m0, m1, n, y);
       break;
     default:  // GGUF blocks as stored (stored_blocks.cpp)
-      stored_rows(L, *A, m0, m1, n, y);
+      if (L.wide_acts) {
+        stored_rows_wide(L, *A, m0, m1, n, y);
+      } else {
+        stored_rows(L, *A, m0, m1, n, y);
+      }
       break;
   }
 }
@@ -1016,8 +1026,9 @@ QLinear::QLinear(int64_t kind_, at::Tensor weight_, int64_t in_features_,
   TORCH_CHECK(kind_ >= 0 && kind_ < kNumWeightKinds,
               "weight kind must be 0 (fp32), 1 (int8), 2 (int4), 3 (int4, fp32 scales), "
               "4 (int8 codes, group scales) or 5-9 (GGUF Q4_K, Q5_K, Q6_K, Q5_0, Q5_1 blocks)");
-  TORCH_CHECK(!wide_acts_ || kind_ == 1 || kind_ == 4,
-              "int16 activations are an int8-weight option");
+  TORCH_CHECK(!wide_acts_ || kind == WeightKind::Q8 || kind == WeightKind::Q8B ||
+                  (is_stored(kind) && stored_takes_wide_acts(kind)),
+              "int16 activations are an option of int8 weights and Q6_K blocks");
   TORCH_CHECK(weight.dim() == 2, "weight must be 2-D");
   out_features = weight.size(0);
   const bool packed = kind == WeightKind::Q4 || kind == WeightKind::Q4F || is_stored(kind);
@@ -1122,6 +1133,9 @@ void QLinear::run(const float* x, const QuantizedActs* acts, int64_t M, float* y
               "4-bit weights need the activations in pair order (pair_acts)");
   TORCH_CHECK(!wide_acts || static_cast<int64_t>(acts->q16.size()) == M * in_features,
               "the head's kernel needs int16 activations (quantize_acts16)");
+  TORCH_CHECK(!wide_acts || !is_stored(kind) ||
+                  static_cast<int64_t>(acts->q16x.size()) == M * in_features,
+              "a Q6_K head's kernel needs its activations in lane order (lane_order_acts16)");
   // Activation rows in chunks that stay in L2 while the weights stream past them once
   // per chunk (prefill-sized M); within a chunk each thread takes one contiguous share of
   // the output rows (sequential weight reads).
@@ -1364,6 +1378,7 @@ void QLinear::apply(const float* x, int64_t M, QuantizedActs& acts, float* y) co
     run_batched_decode(x, M, acts, y);
   } else if (wide_acts) {
     quantize_acts16(x, M, in_features, acts);
+    if (is_stored(kind)) lane_order_acts16(acts);
     run(nullptr, &acts, M, y);
   } else if (quantized()) {
     quantize_acts(x, M, in_features, acts);

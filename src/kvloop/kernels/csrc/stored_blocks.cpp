@@ -501,6 +501,112 @@ void rows_stored(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n,
     for (int r = 0; r < R; ++r) Y[(m0 + c) * N + n + r] = out[c * R + r];
 }
 
+// ---- Q6_K against int16 activations (wide_acts: the head of a Q4_K_M file) ----
+//
+// A Q4_K_M file stores its output head (or the tied embedding) as Q6_K, and the head takes
+// int16 activations (linear.cpp's row_wide: int8 ones moved greedy tokens). Held as Q8B
+// instead (8-bit codes, an fp32 factor per 16) it read 10 bits a weight where the blocks
+// hold 6.6: ~100 MB more a token on a 1.5B model's 151936 x 1536 head.
+//
+// Here the codes u - 32 widen to int16 within each 128-bit lane (unpack with their sign
+// bytes: elements 0-7 and 16-23 in one vector, 8-15 and 24-31 in the other), against
+// activations laid out the same way once per call (lane_order_acts16), and dot in
+// vpmaddwd, exact in int32 (a pair is at most 2 x 32 x 32767): the two products of a
+// group of 32 add into one vector whose low lanes hold scale 2g's sums and high lanes
+// 2g + 1's. A half block's 4 such vectors reduce in 3 horizontal adds to its 8 scales'
+// sums, which meet their factors d * sc in one conversion and one multiply-add. (Widening
+// across lanes, vpmovsxbw, and a float factor per 16 weights cost 10 cycles per 32
+// weights on Zen 3 at batch 1 with the weights in cache: lane-crossing shuffles and
+// conversions each issue on one pipe.) The row's activation scale d16 comes last, as in
+// row_wide. Weight rows n..n+R against activation rows m0..m0+C (C = kCols of a batch
+// against one weight row, or R = kStoredRowsAtOnce weight rows at batch 1; the same
+// operations per pair either way, so bit-identical).
+template <int C, int R>
+void rows_q6k_wide(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, int64_t m0,
+                   float* Y) {
+  constexpr WeightKind K6 = WeightKind::Q6_K;
+  using T = Traits<K6>;
+  constexpr int I = C * R;  // pairs, i = c * R + r
+  const int64_t Kd = A.K, blocks = Kd / T::QK, row_bytes = blocks * T::BYTES;
+  const uint8_t* rows[R];
+  KVLOOP_UNROLL
+  for (int r = 0; r < R; ++r) rows[r] = W + (n + r) * row_bytes;
+  float out[I];
+#ifdef __AVX2__
+  RowPrefetch pf(rows[0], R * row_bytes, blocks);  // R > 1 only: see RowPrefetch
+  __m256 acc[I];
+  KVLOOP_UNROLL
+  for (int i = 0; i < I; ++i) acc[i] = _mm256_setzero_ps();
+  // The factors' order after the reduction: scales 0, 2, 4, 6 | 1, 3, 5, 7 of a half.
+  const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  for (int64_t bi = 0; bi < blocks; ++bi) {
+    if constexpr (R > 1) pf.next();
+    KVLOOP_UNROLL
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* b = rows[r] + bi * T::BYTES;
+      const __m256 d = _mm256_set1_ps(f16_at(b + 208));
+      const __m128i sc = _mm_shuffle_epi8(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)), order);
+      for_each_index<2>([&](auto h) {  // half h: groups 4h..4h+3, scales 8h..8h+7
+        constexpr int kH = decltype(h)::value;
+        const __m256 f = _mm256_mul_ps(  // as block_factors: d * sc in fp32
+            d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(kH == 0 ? sc : _mm_srli_si128(sc, 8))));
+        __m256i e[C][2];  // groups 4h + 2j', + 1 reduced: [their 4 scales' | the same]
+        for_each_index<4>([&](auto j) {
+          constexpr int kJ = decltype(j)::value, kG = 4 * kH + kJ;
+          const __m256i w = _mm256_sub_epi8(group_codes<K6, kG>(b), _mm256_set1_epi8(32));
+          const __m256i sign = _mm256_cmpgt_epi8(_mm256_setzero_si256(), w);
+          const __m256i w0 = _mm256_unpacklo_epi8(w, sign);  // elements 0-7 | 16-23
+          const __m256i w1 = _mm256_unpackhi_epi8(w, sign);  // 8-15 | 24-31
+          KVLOOP_UNROLL
+          for (int c = 0; c < C; ++c) {
+            const auto* x = reinterpret_cast<const __m256i*>(
+                A.q16x.data() + (m0 + c) * Kd + bi * T::QK + kG * kGroup);
+            // lanes 0-3: scale 2g's, 4-7: 2g + 1's
+            const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(w0, _mm256_loadu_si256(x)),
+                                               _mm256_madd_epi16(w1, _mm256_loadu_si256(x + 1)));
+            if constexpr (kJ % 2 == 0) {
+              e[c][kJ / 2] = p;
+            } else {  // [2g', 2g', 2g' + 2, 2g' + 2 | 2g' + 1, ...] for g' = 4h + kJ - 1
+              e[c][kJ / 2] = _mm256_hadd_epi32(e[c][kJ / 2], p);
+            }
+          }
+        });
+        KVLOOP_UNROLL
+        for (int c = 0; c < C; ++c)  // the half's scales 0, 2, 4, 6 | 1, 3, 5, 7: f's order
+          acc[c * R + r] = _mm256_fmadd_ps(
+              _mm256_cvtepi32_ps(_mm256_hadd_epi32(e[c][0], e[c][1])), f, acc[c * R + r]);
+      });
+    }
+  }
+  if constexpr (I % 4 == 0) {
+    hsum_rows<I>(acc, out);
+  } else {
+    KVLOOP_UNROLL
+    for (int i = 0; i < I; ++i) out[i] = hsum(acc[i]);
+  }
+#else
+  for (int i = 0; i < I; ++i) out[i] = 0.f;
+  for (int r = 0; r < R; ++r)
+    for (int64_t bi = 0; bi < blocks; ++bi) {
+      const uint8_t* b = rows[r] + bi * T::BYTES;
+      float s[16], mn[16];
+      block_factors<K6>(b, s, mn);
+      uint8_t u[T::QK];
+      unpack_codes<K6>(b, u);
+      for (int c = 0; c < C; ++c)
+        for (int64_t i = 0; i < 16; ++i) {  // per scale: 16 weights
+          const int16_t* x = A.q16.data() + (m0 + c) * Kd + bi * T::QK + 16 * i;
+          int32_t dot = 0;
+          for (int64_t j = 0; j < 16; ++j) dot += (int32_t(u[16 * i + j]) - 32) * int32_t(x[j]);
+          out[c * R + r] += float(dot) * s[i];
+        }
+    }
+#endif
+  for (int c = 0; c < C; ++c)
+    for (int r = 0; r < R; ++r) Y[(m0 + c) * N + n + r] = out[c * R + r] * A.d16[m0 + c];
+}
+
 template <WeightKind K>
 void rows_t(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m1, int64_t n,
             float* y) {
@@ -664,6 +770,35 @@ void stored_rows_at_once(const QLinear& L, const QuantizedActs& A, int64_t m, in
 #define ROWS_AT_ONCE(F) rows_stored<1, kStoredRowsAtOnce, F>(W, A, L.out_features, n, m, y)
   switch (kind) { KVLOOP_STORED_KINDS(ROWS_AT_ONCE) }
 #undef ROWS_AT_ONCE
+}
+
+bool stored_takes_wide_acts(WeightKind kind) { return kind == WeightKind::Q6_K; }
+
+void lane_order_acts16(QuantizedActs& a) {
+  a.q16x.resize(a.q16.size());
+  for (int64_t m = 0; m < a.M; ++m)
+    for (int64_t g = 0; g < a.K / kGroup; ++g) {
+      const int16_t* src = a.q16.data() + m * a.K + g * kGroup;
+      int16_t* dst = a.q16x.data() + m * a.K + g * kGroup;
+      for (int q = 0; q < 4; ++q)  // quarters 0, 2, 1, 3 of the group
+        std::memcpy(dst + 8 * q, src + 8 * ((q % 2) * 2 + q / 2), 8 * sizeof(int16_t));
+    }
+}
+
+void stored_rows_wide(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m1,
+                      int64_t n, float* y) {
+  TORCH_CHECK(stored_takes_wide_acts(L.kind), "int16 activations meet Q6_K blocks only");
+  const uint8_t* W = L.weight.data_ptr<uint8_t>();
+  int64_t m = m0;
+  for (; m + kCols <= m1; m += kCols) rows_q6k_wide<kCols, 1>(W, A, L.out_features, n, m, y);
+  for (; m < m1; ++m) rows_q6k_wide<1, 1>(W, A, L.out_features, n, m, y);
+}
+
+void stored_rows_wide_at_once(const QLinear& L, const QuantizedActs& A, int64_t m, int64_t n,
+                              float* y) {
+  TORCH_CHECK(stored_takes_wide_acts(L.kind), "int16 activations meet Q6_K blocks only");
+  rows_q6k_wide<1, kStoredRowsAtOnce>(L.weight.data_ptr<uint8_t>(), A, L.out_features, n, m,
+                                      y);
 }
 
 void stored_decode_row(const QLinear& L, int64_t n, float* out) {
