@@ -248,6 +248,14 @@ def test_kernel_matches_reference_matmul(kind: T) -> None:
         dense = x.double() @ lin.dequantize().double().T + bias.double()
         err = (nl.forward(x).double() - dense).abs().max() / dense.abs().max()
         assert err < (1e-4 if fa else 0.05)  # int16 activations / int8 (~1% relative)
+        # Below 4 activation rows several weight rows go at once, every pair the same
+        # operations as in a batch of 4: the same bits.
+        x = torch.randn(4, K, generator=torch.Generator().manual_seed(1))
+        y4 = nl.forward(x)
+        ref = linear_reference(x, k, w, K, sc, bias, wide_acts=fa)
+        torch.testing.assert_close(y4, ref, rtol=0, atol=1e-5 * float(ref.abs().max()))
+        for M in (1, 2, 3):
+            assert torch.equal(nl.forward(x[:M]), y4[:M]), (M, fa)
 
 
 # --- the real Gemma 3 270M file ---------------------------------------------------------------

@@ -217,14 +217,15 @@ constexpr int kStoredRowsAtOnce = 4;
 void stored_rows_at_once(const QLinear& L, const QuantizedActs& A, int64_t m, int64_t n,
                          float* y);
 // Whether a stored kind has kernels for int16 activations (wide_acts: Q6_K, the head of
-// Q4_K_M files), and those kernels: as stored_rows and stored_rows_at_once, with A.q16.
+// Q4_K_M files), and those kernels: as stored_rows, and as stored_rows_at_once for all of
+// activation rows m0..m1 (fewer than kCols) in one pass, with A.q16x.
 bool stored_takes_wide_acts(WeightKind kind);
 // a.q16x from a.q16: what stored_rows_wide reads.
 void lane_order_acts16(QuantizedActs& a);
 void stored_rows_wide(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m1,
                       int64_t n, float* y);
-void stored_rows_wide_at_once(const QLinear& L, const QuantizedActs& A, int64_t m, int64_t n,
-                              float* y);
+void stored_rows_wide_at_once(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m1,
+                              int64_t n, float* y);
 // Row n as the int8 GEMM takes it: signed codes [K], w = sc[k / SUB] * code + mn[k / 32],
 // SUB = stored_gemm_sub (16 or 32), mn written only where stored_gemm_has_min; corr
 // [K / SUB]: -128 * the sum of each scale's codes (the GEMM's offset correction).

@@ -803,6 +803,11 @@ template <int R>
 void rows_batch1(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m1, int64_t n,
                  float* y) {
   const int64_t N = L.out_features;
+  if (is_stored(L.kind) && L.wide_acts) {  // every activation row in the one pass
+    static_assert(R == kStoredRowsAtOnce, "the stored kernels take kStoredRowsAtOnce rows");
+    stored_rows_wide_at_once(L, A, m0, m1, n, y);
+    return;
+  }
   for (int64_t m = m0; m < m1; ++m) {
     switch (L.kind) {
       case WeightKind::Q4:
@@ -839,12 +844,7 @@ void rows_batch1(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m
 #endif
       default:
         static_assert(R == kStoredRowsAtOnce, "the stored kernels take kStoredRowsAtOnce rows");
-        if (!is_stored(L.kind)) break;
-        if (L.wide_acts) {
-          stored_rows_wide_at_once(L, A, m, n, y);
-        } else {
-          stored_rows_at_once(L, A, m, n, y);
-        }
+        if (is_stored(L.kind)) stored_rows_at_once(L, A, m, n, y);
         break;
     }
   }

@@ -519,8 +519,8 @@ void rows_stored(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n,
 // weights on Zen 3 at batch 1 with the weights in cache: lane-crossing shuffles and
 // conversions each issue on one pipe.) The row's activation scale d16 comes last, as in
 // row_wide. Weight rows n..n+R against activation rows m0..m0+C (C = kCols of a batch
-// against one weight row, or R = kStoredRowsAtOnce weight rows at batch 1; the same
-// operations per pair either way, so bit-identical).
+// against one weight row, or below kCols rows all of them against 4 or 2 weight rows:
+// stored_rows_wide_at_once; the same operations per pair either way, so bit-identical).
 template <int C, int R>
 void rows_q6k_wide(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t n, int64_t m0,
                    float* Y) {
@@ -794,11 +794,21 @@ void stored_rows_wide(const QLinear& L, const QuantizedActs& A, int64_t m0, int6
   for (; m < m1; ++m) rows_q6k_wide<1, 1>(W, A, L.out_features, n, m, y);
 }
 
-void stored_rows_wide_at_once(const QLinear& L, const QuantizedActs& A, int64_t m, int64_t n,
-                              float* y) {
+void stored_rows_wide_at_once(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m1,
+                              int64_t n, float* y) {
   TORCH_CHECK(stored_takes_wide_acts(L.kind), "int16 activations meet Q6_K blocks only");
-  rows_q6k_wide<1, kStoredRowsAtOnce>(L.weight.data_ptr<uint8_t>(), A, L.out_features, n, m,
-                                      y);
+  const uint8_t* W = L.weight.data_ptr<uint8_t>();
+  const int64_t N = L.out_features;
+  static_assert(kStoredRowsAtOnce == 4 && kCols == 4, "the cases below");
+  switch (m1 - m0) {  // one pass over the rows for all of them (12 pairs would spill: 2 + 2)
+    case 1: rows_q6k_wide<1, 4>(W, A, N, n, m0, y); break;
+    case 2: rows_q6k_wide<2, 4>(W, A, N, n, m0, y); break;
+    case 3:
+      rows_q6k_wide<3, 2>(W, A, N, n, m0, y);
+      rows_q6k_wide<3, 2>(W, A, N, n + 2, m0, y);
+      break;
+    default: TORCH_CHECK(false, "batch-1 rows: 1 to 3 activation rows");
+  }
 }
 
 void stored_decode_row(const QLinear& L, int64_t n, float* out) {
