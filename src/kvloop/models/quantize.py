@@ -115,9 +115,9 @@ def use_stored_blocks(model: CausalLM, source: Mapping[str, Weights]) -> set[str
     a part is stored dense (F32/F16/BF16), the layer stays fp32. The head takes
     int16 activations (see _attach_native), which the kernels take with 8-bit codes and
     Q6_K blocks (WIDE_ACTS_KINDS): a head stored in another block format is held as codes
-    and scales. Returns the tensor names
-    it took (the embedding's not among them: the lookup still reads it), so that it can
-    run before the weights are loaded and the loader skips them.
+    and scales. Returns the tensor names it took (the embedding's not among them: the
+    lookup still reads it), so that it can run before the weights are loaded and the
+    loader skips them.
 
     The blocks decode to exactly the fp32 weights the loader would dequantize (the `gguf`
     package's arithmetic: tests/test_block_formats.py), and no architecture's gguf_tensor

@@ -313,7 +313,8 @@ struct RowTile {
     float* s = sc.data() + r * (K / sub);
     float* m = mn.data() + r * (K / kGroup);
     int32_t* x = corr.data() + r * (K / sub);
-    if (pairs) return unpack_row_pairs(L, n, codes16.data() + r * K, s, m, codes.data() + r * K, x);
+    if (pairs)
+      return unpack_row_pairs(L, n, codes16.data() + r * K, s, m, codes.data() + r * K, x);
     if (L.kind == WeightKind::Q8 || L.kind == WeightKind::Q8B) {
       // 8-bit codes dot as they are stored: no copy, and their sums only where the tile
       // reads them (at 8 rows of Q8_0 on AVX2, copying and summing were a third of the
