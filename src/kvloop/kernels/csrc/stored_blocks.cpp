@@ -785,9 +785,10 @@ void lane_order_acts16(QuantizedActs& a) {
     }
 }
 
+// The two below serve layers whose constructor took wide_acts, which it does for Q6_K only
+// (stored_takes_wide_acts): called per weight row, they check nothing again.
 void stored_rows_wide(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m1,
                       int64_t n, float* y) {
-  TORCH_CHECK(stored_takes_wide_acts(L.kind), "int16 activations meet Q6_K blocks only");
   const uint8_t* W = L.weight.data_ptr<uint8_t>();
   int64_t m = m0;
   for (; m + kCols <= m1; m += kCols) rows_q6k_wide<kCols, 1>(W, A, L.out_features, n, m, y);
@@ -796,7 +797,6 @@ void stored_rows_wide(const QLinear& L, const QuantizedActs& A, int64_t m0, int6
 
 void stored_rows_wide_at_once(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m1,
                               int64_t n, float* y) {
-  TORCH_CHECK(stored_takes_wide_acts(L.kind), "int16 activations meet Q6_K blocks only");
   const uint8_t* W = L.weight.data_ptr<uint8_t>();
   const int64_t N = L.out_features;
   static_assert(kStoredRowsAtOnce == 4 && kCols == 4, "the cases below");
