@@ -22,11 +22,11 @@
 // spares most of the widening multiplies: 4 results at a time for 4-bit codes and Q5_0's,
 // 2 for the other 5- and 6-bit ones. Codes that are never negative (4-bit ones with a min,
 // Q4_K's, Q5_K's) need no offset at all there (Dot::kSigned): they are vpmaddubsw's unsigned
-// operand and the activations, back to signed q, the signed one, so a pair is at most
+// operand and the activations, interleaved as signed q for them, the signed one, so a pair is at most
 // 2 x 127 x C: a whole group of 4-bit codes sums in int16 (one widening per 32 codes,
 // where the offset needed two, and no correction). 8-bit codes
 // on AVX2 without VNNI (kSigned8) dot the other way round: the codes' magnitudes are the
-// unsigned operand and the activations, back to signed q, take the codes' signs
+// unsigned operand and the activations, signed q too, take the codes' signs
 // (vpsignb), so a pair sums at most 2 x 128 x 127 < 2^15 and no offset is there to remove.
 //
 // A head's int16 activations (wide_acts) take two such panels: q16 = 256 h + l with l the
@@ -463,7 +463,7 @@ inline __m256i byte_pairs(__m256i av, __m256i wb) {
 template <int64_t SUB, bool kMin, Dot kDot, int kSums, int R, int P>
 void tile(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* out) {
   constexpr bool kWide = kDot == Dot::kWide, kSigned8 = kDot == Dot::kSigned8;
-  // Activations back to signed q: no +128 offset to remove from the sums.
+  // Activations interleaved as signed q (gemm_signed_acts): no +128 offset in the sums.
   constexpr bool kSignedActs = kSigned8 || kDot == Dot::kSigned;
   static_assert(SUB % (4 * kSums) == 0, "whole int16 sums per scale");
   static_assert(kSums == 1 || (kMaddubs && (kDot == Dot::kOffset || kDot == Dot::kSigned)),
@@ -499,8 +499,6 @@ void tile(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* o
         for (int p = 0; p < P; ++p) {
           av[p] =
               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ag + p * pbytes + 32 * j));
-          if constexpr (kSignedActs)  // q + 128 back to q
-            av[p] = _mm256_xor_si256(av[p], _mm256_set1_epi8(static_cast<char>(0x80)));
           if constexpr (kWide)
             al[p] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
                 AL + gs * SUB * kLanes + p * pbytes + 32 * j));
@@ -668,10 +666,11 @@ namespace {
 // the bytes of q = 0 (128 in the offset panels, 0 in a low-byte one) and factors 0: they
 // add nothing.
 template <typename Bytes, typename D, typename S>
-void fill_panels(QuantizedActs& a, bool wide, Bytes bytes, D d, S s) {
+void fill_panels(QuantizedActs& a, bool wide, bool signed_bytes, Bytes bytes, D d, S s) {
   const int64_t M = a.M, K = a.K, nb = K / kGroup;
   const int64_t panels = (M + kLanes - 1) / kLanes;
   a.pq.resize(panels * K * kLanes);
+  a.pq_signed = signed_bytes;
   a.pqh.resize(wide ? panels * K * kLanes : 0);
   a.pd.resize(panels * nb * kLanes);
   a.ps.resize(panels * nb * kLanes);
@@ -679,7 +678,7 @@ void fill_panels(QuantizedActs& a, bool wide, Bytes bytes, D d, S s) {
     for (int64_t p = p0; p < p1; ++p) {
       for (int h = 0; h < (wide ? 2 : 1); ++h) {
         uint8_t* dst = (h ? a.pqh : a.pq).data() + p * K * kLanes;
-        const uint32_t empty = wide && h == 0 ? 0u : 0x80808080u;
+        const uint32_t empty = (wide && h == 0) || signed_bytes ? 0u : 0x80808080u;
         for (int64_t l = 0; l < kLanes; ++l) {
           const int64_t m = p * kLanes + l;
           for (int64_t k4 = 0; k4 < K / 4; ++k4) {
@@ -702,14 +701,15 @@ void fill_panels(QuantizedActs& a, bool wide, Bytes bytes, D d, S s) {
 }
 }  // namespace
 
-void interleave_acts(QuantizedActs& a) {
+void interleave_acts(QuantizedActs& a, bool signed_bytes) {
   const int64_t K = a.K, nb = K / kGroup;
+  const uint32_t offset = signed_bytes ? 0u : 0x80808080u;  // q + 128 as unsigned bytes
   fill_panels(
-      a, false,
+      a, false, signed_bytes,
       [&](int64_t m, int64_t k4, int) {
         uint32_t four;
         std::memcpy(&four, a.q.data() + m * K + 4 * k4, 4);
-        return four ^ 0x80808080u;  // q + 128 as unsigned bytes
+        return four ^ offset;
       },
       [&](int64_t m, int64_t g) { return a.d[m * nb + g]; },
       [&](int64_t m, int64_t g) { return a.s[m * nb + g]; });
@@ -743,7 +743,7 @@ void interleave_acts16(QuantizedActs& a, bool pairs) {
     return;
   }
   fill_panels(
-      a, true,
+      a, true, false,
       [&](int64_t m, int64_t k4, int hi) {
         const int16_t* q = a.q16.data() + m * K + 4 * k4;
         uint32_t four = 0;
@@ -765,6 +765,8 @@ void gemm_int8(const QLinear& L, const QuantizedActs& a, float* y) {
   TORCH_CHECK(a.K == L.in_features && a.pq.size() == (pairs ? 2 : 1) * panel_bytes &&
                   (!L.wide_acts || a.pqh.size() == (pairs ? 0 : panel_bytes)),
               "the int8 GEMM needs activations quantized and interleaved for it");
+  TORCH_CHECK(L.wide_acts || a.pq_signed == L.gemm_signed_acts(),
+              "the int8 GEMM needs activation bytes interleaved as this layer dots them");
   const GemmFormat f = format_of(L);
   if constexpr (kMaddubs) {
     switch (f.dot) {
@@ -792,6 +794,11 @@ bool QLinear::gemm_supported() const {
   if (kind == WeightKind::F32 || kind == WeightKind::Stack) return false;
   if (kind == WeightKind::Q8B && has_min && group != kGroup) return false;
   return true;
+}
+
+bool QLinear::gemm_signed_acts() const {
+  const Dot dot = format_of(*this).dot;
+  return dot == Dot::kSigned || dot == Dot::kSigned8;
 }
 
 bool QLinear::gemm_pairs() const {

@@ -93,9 +93,11 @@ struct QuantizedActs {
   at::Tensor wb;  // a chunk of weight rows decoded for the batched path (set_batched_decode)
   std::vector<float> part_y;  // one stacked part's output (QLinear::stack)
   // The int8 GEMM's operand (interleave_acts): rows in panels of kGemmLanes, each panel
-  // [K / 4][kGemmLanes][4] bytes q + 128 (unsigned, for the u8 side of the dot product),
-  // with its block scales and sums lane by lane: [panel][K / 32][kGemmLanes].
+  // [K / 4][kGemmLanes][4] bytes q + 128 (unsigned, for the u8 side of the dot product;
+  // q itself where pq_signed), with its block scales and sums lane by lane:
+  // [panel][K / 32][kGemmLanes].
   std::vector<uint8_t> pq;
+  bool pq_signed = false;  // pq holds q (QLinear::gemm_signed_acts), not q + 128
   std::vector<uint8_t> pqh;  // int16 activations (interleave_acts16): high bytes + 128; pq
                              // then holds the low bytes, pd each row's one scale
   std::vector<float> pd, ps;
@@ -189,6 +191,9 @@ struct QLinear {
   // Whether the int8 GEMM takes this layer's int16 activations as int16 (vpmaddwd against
   // its codes widened) rather than split into bytes: 8-bit codes on AVX2 without VNNI.
   bool gemm_pairs() const;
+  // Whether the int8 GEMM dots this layer's codes with signed activation bytes q rather
+  // than q + 128 (vpmaddubsw builds: codes >= 0 and 8-bit codes; see gemm.cpp).
+  bool gemm_signed_acts() const;
   void set_int8_gemm(int64_t min_rows);  // see `gemm_min_rows`; 0 turns it off
   // Rows n0..n1 of the weights as the kernels decode them (w = scale * code + min, fp32),
   // rounded to bf16 (round to nearest even, as torch's .to(bfloat16)) unless fp32 out.
@@ -242,8 +247,9 @@ void code_corrections(const int8_t* codes, int64_t K, int64_t sub, int32_t* corr
 
 // ---- the int8 GEMM (gemm.cpp) ----
 
-// The panels of `a` (QuantizedActs::pq, pd, ps) from its q, d and s.
-void interleave_acts(QuantizedActs& a);
+// The panels of `a` (QuantizedActs::pq, pd, ps) from its q, d and s: bytes q where
+// `signed_bytes` (QLinear::gemm_signed_acts), else q + 128.
+void interleave_acts(QuantizedActs& a, bool signed_bytes = false);
 // The same from its int16 activations (q16, d16, s16): pq and pqh, pd, ps. `pairs`: the
 // layout of the int16 path instead (QLinear::gemm_pairs): pq [K / 2][kGemmLanes] 32-bit
 // lanes, each two int16 activations of its row (k, k + 1); pqh empty.

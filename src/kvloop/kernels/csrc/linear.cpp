@@ -1133,9 +1133,11 @@ void QLinear::run(const float* x, const QuantizedActs* acts, int64_t M, float* y
               "4-bit weights need the activations in pair order (pair_acts)");
   TORCH_CHECK(!wide_acts || static_cast<int64_t>(acts->q16.size()) == M * in_features,
               "the head's kernel needs int16 activations (quantize_acts16)");
+#ifdef __AVX2__  // the scalar kernel reads q16 as it is
   TORCH_CHECK(!wide_acts || !is_stored(kind) ||
                   static_cast<int64_t>(acts->q16x.size()) == M * in_features,
               "a Q6_K head's kernel needs its activations in lane order (lane_order_acts16)");
+#endif
   // Activation rows in chunks that stay in L2 while the weights stream past them once
   // per chunk (prefill-sized M); within a chunk each thread takes one contiguous share of
   // the output rows (sequential weight reads).
@@ -1370,7 +1372,7 @@ void QLinear::apply(const float* x, int64_t M, QuantizedActs& acts, float* y) co
       interleave_acts16(acts, gemm_pairs());
     } else {
       quantize_acts(x, M, in_features, acts);
-      interleave_acts(acts);
+      interleave_acts(acts, gemm_signed_acts());
     }
     gemm_int8(*this, acts, y);
     add_bias(y, M);

@@ -775,6 +775,9 @@ void stored_rows_at_once(const QLinear& L, const QuantizedActs& A, int64_t m, in
 bool stored_takes_wide_acts(WeightKind kind) { return kind == WeightKind::Q6_K; }
 
 void lane_order_acts16(QuantizedActs& a) {
+#ifndef __AVX2__
+  (void)a;  // the scalar rows_q6k_wide reads q16 as it is
+#else
   a.q16x.resize(a.q16.size());
   for (int64_t m = 0; m < a.M; ++m)
     for (int64_t g = 0; g < a.K / kGroup; ++g) {
@@ -783,6 +786,7 @@ void lane_order_acts16(QuantizedActs& a) {
       for (int q = 0; q < 4; ++q)  // quarters 0, 2, 1, 3 of the group
         std::memcpy(dst + 8 * q, src + 8 * ((q % 2) * 2 + q / 2), 8 * sizeof(int16_t));
     }
+#endif
 }
 
 // The two below serve layers whose constructor took wide_acts, which it does for Q6_K only
