@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -90,8 +91,14 @@ def gguf_parsed_once() -> Iterator[None]:
     """transformers parses a GGUF file anew (gguf.GGUFReader) for its config, its weights
     and its tokenizer: ~20 s apiece for Gemma 3's 262k-token vocabulary. Within this block
     each file is parsed once and its reader shared (transformers only reads it); the
-    oracle's own code does everything else as it would."""
+    oracle's own code does everything else as it would.
+
+    Likewise its weight-name map: transformers asks gguf.get_tensor_name_map(arch, layers)
+    anew for every submodule of the model (397 times for the default model, 40 ms each:
+    16 s of its load), a pure function whose map it only reads (TensorNameMap.get_name);
+    here each (arch, layers) is built once."""
     parse = gguf.GGUFReader
+    name_map = gguf.get_tensor_name_map
     readers: dict[tuple[str, str], gguf.GGUFReader] = {}
 
     def shared(path: str | os.PathLike[str], mode: str = "r") -> gguf.GGUFReader:
@@ -101,10 +108,12 @@ def gguf_parsed_once() -> Iterator[None]:
         return readers[key]
 
     gguf.GGUFReader = shared  # type: ignore[assignment,misc]
+    gguf.get_tensor_name_map = functools.cache(name_map)
     try:
         yield
     finally:
         gguf.GGUFReader = parse  # type: ignore[misc]
+        gguf.get_tensor_name_map = name_map
 
 
 @pytest.fixture(scope="session")
