@@ -462,9 +462,7 @@ inline __m256i byte_pairs(__m256i av, __m256i wb) {
 // kWide, kSigned8 and VNNI).
 template <int64_t SUB, bool kMin, Dot kDot, int kSums, int R, int P>
 void tile(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* out) {
-  constexpr bool kWide = kDot == Dot::kWide, kSigned8 = kDot == Dot::kSigned8;
-  // Activations interleaved as signed q (gemm_signed_acts): no +128 offset in the sums.
-  constexpr bool kSignedActs = kSigned8 || kDot == Dot::kSigned;
+  constexpr bool kWide = kDot == Dot::kWide;
   static_assert(SUB % (4 * kSums) == 0, "whole int16 sums per scale");
   static_assert(kSums == 1 || (kMaddubs && (kDot == Dot::kOffset || kDot == Dot::kSigned)),
                 "int16 sums: vpmaddubsw");
@@ -475,6 +473,9 @@ void tile(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* o
   const float* D = a.pd.data() + p0 * pfloats;
   const float* S = a.ps.data() + p0 * pfloats;
 #ifdef __AVX2__
+  constexpr bool kSigned8 = kDot == Dot::kSigned8;
+  // Activations interleaved as signed q (gemm_signed_acts): no +128 offset in the sums.
+  constexpr bool kSignedActs = kSigned8 || kDot == Dot::kSigned;
   __m256 acc[R][P];
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p) acc[r][p] = _mm256_setzero_ps();
