@@ -22,12 +22,13 @@
 // spares most of the widening multiplies: 4 results at a time for 4-bit codes and Q5_0's,
 // 2 for the other 5- and 6-bit ones. Codes that are never negative (4-bit ones with a min,
 // Q4_K's, Q5_K's) need no offset at all there (Dot::kSigned): they are vpmaddubsw's unsigned
-// operand and the activations, interleaved as signed q for them, the signed one, so a pair is at most
-// 2 x 127 x C: a whole group of 4-bit codes sums in int16 (one widening per 32 codes,
-// where the offset needed two, and no correction). 8-bit codes
-// on AVX2 without VNNI (kSigned8) dot the other way round: the codes' magnitudes are the
-// unsigned operand and the activations, signed q too, take the codes' signs
-// (vpsignb), so a pair sums at most 2 x 128 x 127 < 2^15 and no offset is there to remove.
+// operand and the activations the signed one, interleaved as q for such layers
+// (QLinear::gemm_signed_acts), so a pair is at most 2 x 127 x C: a whole group of 4-bit
+// codes sums in int16 (one widening per 32 codes, where the offset needed two, and no
+// correction). 8-bit codes on AVX2 without VNNI (kSigned8) dot the other way round: the
+// codes' magnitudes are the unsigned operand and the activations, signed q too, take the
+// codes' signs (vpsignb), so a pair sums at most 2 x 128 x 127 < 2^15 and no offset is
+// there to remove.
 //
 // A head's int16 activations (wide_acts) take two such panels: q16 = 256 h + l with l the
 // low byte (0-255) and h + 128 the high one, each dotted with the codes; the sums combine
