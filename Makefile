@@ -48,8 +48,14 @@ browser:
 		|| echo "browser: chromium did not install; tests/test_live_browser.py will fail"; }
 
 # KVLOOP_REQUIRE_KERNELS: a native-kernel build failure fails the kernel tests (no silent skip).
+# Most tests wait on one core (oracle loads, tokenizers, servers, subprocesses), so they run
+# on TEST_WORKERS pytest-xdist workers of one thread each (tests/conftest.py); the tests that
+# time a stream's pace (marked serial) then run alone, on every core.
+TEST_WORKERS ?= 2
 test: dev lint browser
-	KVLOOP_REQUIRE_KERNELS=1 $(VENV)/bin/pytest -q --durations=40
+	KVLOOP_REQUIRE_KERNELS=1 $(VENV)/bin/pytest -q --durations=40 -n $(TEST_WORKERS) \
+		--dist loadfile -m "not serial"
+	KVLOOP_REQUIRE_KERNELS=1 $(VENV)/bin/pytest -q -m serial
 
 # llama.cpp is a peer in the table: pip compiles llama-cpp-python from the sdist (~11 min, once).
 # If that fails the table says "not installed" and the other engines are still measured.

@@ -19,6 +19,16 @@ from kvloop.engine.llm_engine import LLMEngine
 from kvloop.loading.loader import DEFAULT_MODEL_FILE, default_model_path
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`make test` runs a worker per core) each worker, and the servers
+    and CLIs it starts, computes on one thread: two workers of two threads on two cores
+    waited on each other's descheduled threads at every parallel region (the suite took
+    1,823 s so, 863 s with one thread each). The tests of thread counts set their own."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_layout_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Each test run starts with an empty layout cache of its own (never the user's), so

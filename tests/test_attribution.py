@@ -76,6 +76,7 @@ def test_shares_add_up_to_what_the_engine_read(tiny_model_dir: Path) -> None:
     assert outs[0].metrics.kv_bytes > outs[3].metrics.kv_bytes
 
 
+@pytest.mark.serial
 def test_decode_fraction_matches_the_roofline_command(tiny_model_dir: Path,
                                                       capsys: pytest.CaptureFixture) -> None:
     """`kvloop roofline` on a loaded model prints the measured fraction of the bandwidth

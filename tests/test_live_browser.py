@@ -23,7 +23,8 @@ import pytest
 
 from kvloop.client import probe
 
-pytestmark = pytest.mark.slow
+# serial: the page's /metrics reads are checked against the step they arrived at.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 ARTIFACTS = Path(__file__).resolve().parents[1] / "build" / "test-artifacts"
 NUM_REQUESTS = 8

@@ -253,6 +253,7 @@ def _longest_gap(times: list[float], start: float, end: float) -> float:
     return max(gaps)
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 def test_scored_prompt_keeps_other_streams_pace_and_returns_its_memory(
         default_gguf: Path, tmp_path: Path) -> None:

@@ -209,6 +209,7 @@ def stream_gaps(url: str, model: str, stop: threading.Event, gaps: list[float]) 
             gaps.append(longest)
 
 
+@pytest.mark.serial
 def test_served_hostile_template_freezes_nothing(tiny_model_dir: Path, tmp_path: Path) -> None:
     template = tmp_path / "hostile.jinja"
     template.write_text(SERVED_TEMPLATE)
