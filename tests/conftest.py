@@ -29,6 +29,22 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
 
 
+# The longest files (1-5 minutes each on one thread), in the order `make test`'s workers
+# should take them: pytest-xdist's loadfile hands out whole files in collection order, and
+# the longest taken first leave only short files for the end, so the workers finish
+# together.
+LONGEST_FILES = ("test_gemma3.py", "test_speculative_model.py", "test_dispatch.py",
+                 "test_jump_forward.py", "test_model_parity.py", "test_cluster_ray.py",
+                 "test_tensor_parallel.py", "test_quant.py", "test_block_formats.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest files first (LONGEST_FILES), the rest in their order: a stable sort, the
+    same in every worker, as xdist requires."""
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_layout_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Each test run starts with an empty layout cache of its own (never the user's), so

@@ -166,6 +166,9 @@ GemmFormat format_of(const QLinear& L) {
   return f;
 }
 
+// Whether f's activation panels hold q as signed bytes (not q + 128).
+bool signed_acts(const GemmFormat& f) { return f.dot == Dot::kSigned || f.dot == Dot::kSigned8; }
+
 // -128 * the sum of each SUB codes (vectorized: SUB is a constant).
 template <int64_t SUB>
 void corrections(const int8_t* codes, int64_t K, int32_t* corr) {
@@ -722,6 +725,7 @@ void interleave_acts16(QuantizedActs& a, bool pairs) {
   if (pairs) {  // [panel][K / 2][lane]: q16[m, 2 k2] | q16[m, 2 k2 + 1] << 16
     const int64_t M = a.M, panels = (M + kLanes - 1) / kLanes;
     a.pq.resize(panels * 2 * K * kLanes);
+    a.pq_signed = false;  // int16 pairs: not byte panels of either form
     a.pqh.clear();
     a.pd.resize(panels * nb * kLanes);
     a.ps.resize(panels * nb * kLanes);
@@ -767,9 +771,9 @@ void gemm_int8(const QLinear& L, const QuantizedActs& a, float* y) {
   TORCH_CHECK(a.K == L.in_features && a.pq.size() == (pairs ? 2 : 1) * panel_bytes &&
                   (!L.wide_acts || a.pqh.size() == (pairs ? 0 : panel_bytes)),
               "the int8 GEMM needs activations quantized and interleaved for it");
-  TORCH_CHECK(L.wide_acts || a.pq_signed == L.gemm_signed_acts(),
-              "the int8 GEMM needs activation bytes interleaved as this layer dots them");
   const GemmFormat f = format_of(L);
+  TORCH_CHECK(L.wide_acts || a.pq_signed == signed_acts(f),
+              "the int8 GEMM needs activation bytes interleaved as this layer dots them");
   if constexpr (kMaddubs) {
     switch (f.dot) {
       case Dot::kPairs: return gemm_for<Dot::kPairs>(f, L, a, y);
@@ -798,10 +802,7 @@ bool QLinear::gemm_supported() const {
   return true;
 }
 
-bool QLinear::gemm_signed_acts() const {
-  const Dot dot = format_of(*this).dot;
-  return dot == Dot::kSigned || dot == Dot::kSigned8;
-}
+bool QLinear::gemm_signed_acts() const { return signed_acts(format_of(*this)); }
 
 bool QLinear::gemm_pairs() const {
   return kMaddubs && wide_acts;  // 8-bit codes and Q6_K alike (see the top)
