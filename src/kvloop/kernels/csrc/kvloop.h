@@ -249,7 +249,7 @@ void code_corrections(const int8_t* codes, int64_t K, int64_t sub, int32_t* corr
 
 // The panels of `a` (QuantizedActs::pq, pd, ps) from its q, d and s: bytes q where
 // `signed_bytes` (QLinear::gemm_signed_acts), else q + 128.
-void interleave_acts(QuantizedActs& a, bool signed_bytes = false);
+void interleave_acts(QuantizedActs& a, bool signed_bytes);
 // The same from its int16 activations (q16, d16, s16): pq and pqh, pd, ps. `pairs`: the
 // layout of the int16 path instead (QLinear::gemm_pairs): pq [K / 2][kGemmLanes] 32-bit
 // lanes, each two int16 activations of its row (k, k + 1); pqh empty.
