@@ -34,7 +34,7 @@ from kvloop.params import SamplingParams, StructuredOutput
 from kvloop.plan_cli import add_plan_parser, cmd_plan
 from kvloop.server.cli import add_serve_parser, cmd_serve
 
-if TYPE_CHECKING:  # kvloop.client imports httpx (~80 ms): only the remote path loads it
+if TYPE_CHECKING:  # kvloop.client (http.client, json): only the remote path loads it
     from kvloop.client import Remote
     from kvloop.engine.trace import TraceRecorder
 
@@ -397,7 +397,7 @@ def _resident(args: argparse.Namespace) -> Remote | None:
     if args.local or getattr(args, "trace", None):  # a trace is of this process's engine
         return None
     if not (args.server or os.environ.get(runfile.SERVER_ENV) or runfile.live()):
-        return None  # nothing to reach: kvloop.client (httpx) stays unimported
+        return None  # nothing to reach: kvloop.client stays unimported
     from kvloop import client
 
     defaults = default_engine_options()

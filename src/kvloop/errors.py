@@ -27,4 +27,4 @@ class PromptTooLongError(KvloopError):
 
 class RemoteError(Exception):
     """The resident engine could not answer (gone, refused the key, failed): exit 1. Here
-    rather than in kvloop.client, so that the one-shot CLI need not import httpx."""
+    rather than in kvloop.client, so that the one-shot CLI need not import the client."""
