@@ -15,11 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import TYPE_CHECKING
 
 from kvloop.engine_flags import add_engine_flags, engine_options
 from kvloop.errors import InvalidParamsError
-from kvloop.plan import Cluster, ModelFigures, Workload, plan, report
-from kvloop.roofline import Machine
+
+if TYPE_CHECKING:  # kvloop.plan (dataclasses, inspect: ~20 ms) loads for `kvloop plan` only:
+    from kvloop.plan import ModelFigures  # every other command builds this parser too
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -66,6 +68,7 @@ def _loaded_model(args: argparse.Namespace) -> tuple[ModelFigures, float]:
     """A model file's figures as kvloop runs it, and the KV memory its engine reserves."""
     from kvloop.config import parse_size
     from kvloop.engine.llm import LLM  # deferred: torch loads only for a model file
+    from kvloop.plan import ModelFigures
 
     llm = LLM(args.model, **engine_options(args))
     e, c = llm.engine, llm.engine.model_config
@@ -80,6 +83,9 @@ def _loaded_model(args: argparse.Namespace) -> tuple[ModelFigures, float]:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from kvloop.plan import Cluster, ModelFigures, Workload, plan, report
+    from kvloop.roofline import Machine
+
     # Everything cheap is checked before a model loads or the machine is measured.
     workload = Workload(args.rate, args.prompt_tokens, args.output_tokens, args.ttft, args.tpot)
     for flag, v in (("--flops", args.flops), ("--bandwidth", args.bandwidth),

@@ -10,10 +10,8 @@ torch at all.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,6 +32,8 @@ def runtime_dir() -> Path:
     home = Path.home()
     if home.is_dir() and os.access(home, os.W_OK):
         return home / ".cache" / "kvloop" / "run"
+    import tempfile  # here and below, not at the top: every CLI command imports this module
+
     return Path(tempfile.gettempdir()) / f"kvloop-{os.getuid()}"
 
 
@@ -56,6 +56,8 @@ def comparable_options(options: dict[str, Any]) -> dict[str, Any]:
     (it can be long, and only sameness matters)."""
     out = dict(options)
     if out.get("chat_template") is not None:
+        import hashlib
+
         out["chat_template"] = hashlib.sha256(out["chat_template"].encode()).hexdigest()
     return out
 
@@ -80,6 +82,8 @@ def write(info: RunInfo) -> Path:
     """Write `info` atomically (readers never see half a file), readable by the user only."""
     directory = info.path.parent
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    import tempfile
+
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".serve-", suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         json.dump(asdict(info), f)

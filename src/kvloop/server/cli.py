@@ -8,8 +8,6 @@ so `kvloop --help` stays fast.
 from __future__ import annotations
 
 import argparse
-import ipaddress
-import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -133,6 +131,8 @@ def _check(args: argparse.Namespace) -> None:
 
 
 def _is_loopback(host: str) -> bool:
+    import ipaddress  # this module loads for every CLI command: its imports wait till used
+
     if host == "localhost":
         return True
     try:
@@ -156,6 +156,8 @@ def cmd_serve(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         # Any spelling argparse took for --detach ("--det"): the child serves in place.
         rest = [a for a in argv if not (len(a) > 2 and "--detach".startswith(a))]
         return control.detach(rest)
+    import logging
+
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kvloop.server")
@@ -234,6 +236,8 @@ def _announce(info: RunInfo, host: str, port: int) -> None:
     try:
         runfile.write(info)
     except OSError as e:  # serving goes on; only discovery is lost
+        import logging
+
         logging.getLogger("kvloop.server").warning("cannot write the run file %s: %s",
                                                    info.path, e)
 
