@@ -82,7 +82,7 @@ def compiles(so: StructuredOutput) -> None:
 def _validate(text: str) -> tuple[bool, list[str]]:
     import llguidance as llg
 
-    return llg.LLMatcher.validate_grammar_with_warnings(text, limits=gl.PARSER_LIMITS)
+    return llg.LLMatcher.validate_grammar_with_warnings(text, limits=gl.parser_limits())
 
 
 # --- each limit at its value and one past it -------------------------------------------------
@@ -185,7 +185,7 @@ CHAINS = f"""
     from kvloop.engine import grammar_limits as gl
 
     def validate(text):
-        return llg.LLMatcher.validate_grammar_with_warnings(text, limits=gl.PARSER_LIMITS)
+        return llg.LLMatcher.validate_grammar_with_warnings(text, limits=gl.parser_limits())
 """
 
 
@@ -222,7 +222,7 @@ FUZZ = f"""
     import llguidance as llg
 
     def validate(text):
-        return llg.LLMatcher.validate_grammar_with_warnings(text, limits=gl.PARSER_LIMITS)
+        return llg.LLMatcher.validate_grammar_with_warnings(text, limits=gl.parser_limits())
 
     counts = {{"refused": 0, "compiled": 0, "invalid": 0}}
     for kind, so in generated(random.Random(25), 300):

@@ -23,9 +23,11 @@ import re
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from functools import cache
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import llguidance as llg
+if TYPE_CHECKING:
+    import llguidance as llg
 
 from kvloop.errors import InvalidParamsError
 
@@ -42,12 +44,17 @@ MAX_LARK_NESTING = 28
 MAX_REGEX_NESTING = 64  # groups inside groups in one regex
 MAX_REGEX_CHARS = 10_000  # one regex: the regex constraint, a Lark /.../ or a "pattern"
 
-# llguidance's own limits (llguidance.LLParserLimits), set rather than left to defaults
-# that may change: compile fuel, per-step fuel (a mask step past it errs that request
-# alone), lexer states (1-2 KB each) and grammar size (symbols).
-PARSER_LIMITS = llg.LLParserLimits(
-    max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
-    step_max_items=50_000, max_lexer_states=100_000, max_grammar_size=200_000)
+@cache
+def parser_limits() -> llg.LLParserLimits:
+    """llguidance's own limits (llguidance.LLParserLimits), set rather than left to defaults
+    that may change: compile fuel, per-step fuel (a mask step past it errs that request
+    alone), lexer states (1-2 KB each) and grammar size (symbols). llguidance loads here,
+    at the first grammar, not with the engine: ~0.13 s of every start that uses none."""
+    import llguidance as llg
+
+    return llg.LLParserLimits(
+        max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+        step_max_items=50_000, max_lexer_states=100_000, max_grammar_size=200_000)
 
 # Measured: a Lark rule chain costs ~3 KB of native stack a level (1 MiB held 250 levels,
 # not 500). 256 MiB is address space reserved once, touched only as deep as a compile goes,

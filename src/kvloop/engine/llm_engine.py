@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 
@@ -37,7 +37,7 @@ from kvloop.engine.output_state import SeqOutputState
 from kvloop.engine.outputs import CompletionOutput, RequestOutput
 from kvloop.engine.prompt_logprobs import PromptLogprobs
 from kvloop.engine.steps import Phase, StepObserver, seq_phases, step_record
-from kvloop.engine.structured import GrammarCompiler, LLMatcher
+from kvloop.engine.structured import GrammarCompiler
 from kvloop.errors import InvalidParamsError, ModelLoadError, PromptTooLongError
 from kvloop.kv_cache import BlockMap, KVCacheManager, blocks_for_sequence
 from kvloop.loading.chat_template import prestart_worker
@@ -63,6 +63,9 @@ from kvloop.sampling.beam import BeamSearch
 from kvloop.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from kvloop.spec import DraftRequest, NgramProposer, Proposer
 from kvloop.spec.draft import DraftModelProposer
+
+if TYPE_CHECKING:
+    from kvloop.engine.structured import LLMatcher
 
 logger = logging.getLogger("kvloop.engine")
 

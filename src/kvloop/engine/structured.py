@@ -18,28 +18,43 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-import llguidance as llg
 import torch
-
-# llguidance.numpy, not llguidance.torch: the latter's import compiles a torch.compile
-# kernel kvloop does not use and pulls in dynamo and inductor (2 s of every start).
-from llguidance.numpy import fill_next_token_bitmask
 
 from kvloop.engine.grammar_limits import (
     MAX_SCHEMA_DEPTH,
-    PARSER_LIMITS,
     check_lark,
     check_regex,
     check_schema,
     on_compile_thread,
+    parser_limits,
 )
 from kvloop.errors import InvalidParamsError
 from kvloop.loading.tokenizer import Tokenizer
 from kvloop.params import StructuredOutput
 
-LLMatcher = llg.LLMatcher  # one request's grammar state (the engine's handle on it)
+if TYPE_CHECKING:
+    import llguidance as llg
+
+    LLMatcher = llg.LLMatcher  # one request's grammar state (the engine's handle on it)
+
+
+def _llg() -> ModuleType:
+    """llguidance, imported at the first grammar rather than with the engine (~0.13 s of
+    every start, one-shot and server alike, that asks for no structured output)."""
+    import llguidance
+
+    return llguidance
+
+
+def _fill(m: llg.LLMatcher, rows: Any, i: int) -> None:
+    # llguidance.numpy, not llguidance.torch: the latter's import compiles a torch.compile
+    # kernel kvloop does not use and pulls in dynamo and inductor (2 s of every start).
+    from llguidance.numpy import fill_next_token_bitmask
+
+    fill_next_token_bitmask(m, rows, i)
 # Fixed text longer than this at a grammar's start is refused: llguidance stops computing
 # forced text at ~25,000 bytes, which only a rule that never ends reaches.
 MAX_FORCED_BYTES = 16384
@@ -61,22 +76,22 @@ def grammar_text(so: StructuredOutput) -> str:
         schema = (so.json_schema if isinstance(so.json_schema, dict)
                   else _parse_schema(so.json_schema))
         check_schema(schema)
-        return llg.LLMatcher.grammar_from_json_schema(  # type: ignore[no-any-return]
+        return _llg().LLMatcher.grammar_from_json_schema(  # type: ignore[no-any-return]
             schema, defaults=JSON_OPTIONS)
     if so.json_object:
-        return llg.LLMatcher.grammar_from_json_schema(  # type: ignore[no-any-return]
+        return _llg().LLMatcher.grammar_from_json_schema(  # type: ignore[no-any-return]
             {"type": "object"}, defaults=JSON_OPTIONS)
     if so.regex is not None:
         check_regex(so.regex)
-        return llg.LLMatcher.grammar_from_regex(so.regex)  # type: ignore[no-any-return]
+        return _llg().LLMatcher.grammar_from_regex(so.regex)  # type: ignore[no-any-return]
     if so.choice is not None:
         # Lark string literals are JSON strings: json.dumps quotes and escapes each choice.
         alternatives = " | ".join(json.dumps(c) for c in so.choice)
-        return llg.LLMatcher.grammar_from_lark(  # type: ignore[no-any-return]
+        return _llg().LLMatcher.grammar_from_lark(  # type: ignore[no-any-return]
             f"start: {alternatives}")
     assert so.grammar is not None
     check_lark(so.grammar)
-    return llg.LLMatcher.grammar_from_lark(so.grammar)  # type: ignore[no-any-return]
+    return _llg().LLMatcher.grammar_from_lark(so.grammar)  # type: ignore[no-any-return]
 
 
 def one_line(message: str) -> str:
@@ -103,8 +118,8 @@ def schema_error(schema: dict) -> str | None:
 
 
 def _validate(text: str, tokenizer: llg.LLTokenizer | None) -> tuple[bool, list[str]]:
-    return llg.LLMatcher.validate_grammar_with_warnings(  # type: ignore[no-any-return]
-        text, tokenizer, limits=PARSER_LIMITS)
+    return _llg().LLMatcher.validate_grammar_with_warnings(  # type: ignore[no-any-return]
+        text, tokenizer, limits=parser_limits())
 
 
 def _parse_schema(text: str) -> dict:
@@ -164,12 +179,12 @@ class GrammarCompiler:
         the rows repeat the last mask: they are never sampled, but must be finite."""
         masks = torch.empty(1 + len(drafts), (self.vocab_size + 31) // 32, dtype=torch.int32)
         rows = masks.numpy()  # the same memory
-        fill_next_token_bitmask(m, rows, 0)
+        _fill(m, rows, 0)
         consumed = 0
         for i, token in enumerate(drafts, start=1):
             if consumed == i - 1 and m.try_consume_tokens([token]) == 1:
                 consumed += 1
-                fill_next_token_bitmask(m, rows, i)
+                _fill(m, rows, i)
             else:
                 masks[i] = masks[i - 1]
         if consumed:
@@ -183,7 +198,7 @@ class GrammarCompiler:
         masks = torch.empty(len(matchers), (self.vocab_size + 31) // 32, dtype=torch.int32)
         rows = masks.numpy()  # the same memory
         for i, m in enumerate(matchers):
-            fill_next_token_bitmask(m, rows, i)
+            _fill(m, rows, i)
         return masks
 
     @staticmethod
@@ -219,7 +234,7 @@ class GrammarCompiler:
         is_error, messages = _validate(text, tokenizer)
         if is_error:
             return one_line(messages[0]) if messages else "invalid grammar"
-        return self._probe(llg.LLMatcher(tokenizer, text, log_level=0, limits=PARSER_LIMITS))
+        return self._probe(_llg().LLMatcher(tokenizer, text, log_level=0, limits=parser_limits()))
 
     def _probe(self, m: llg.LLMatcher) -> llg.LLMatcher | str:
         """`m`, or why its grammar cannot serve. A grammar can be valid and still match no
@@ -239,6 +254,6 @@ class GrammarCompiler:
     def _ll_tokenizer(self) -> llg.LLTokenizer:
         with self._lock:
             if self._ll is None:
-                self._ll = llg.LLTokenizer(self._tokenizer.backend.to_str(),
+                self._ll = _llg().LLTokenizer(self._tokenizer.backend.to_str(),
                                            n_vocab=self.vocab_size, eos_token=self._eos)
             return self._ll
