@@ -367,14 +367,15 @@ def test_detach_reports_the_servers_own_error(tmp_path: Path) -> None:
 
 def test_the_one_shot_path_does_not_import_httpx(tmp_path: Path, tiny_model_dir: Path) -> None:
     """With no server to reach (no run file, no --server), generate runs one-shot without
-    importing kvloop.client and httpx (~80 ms of every one-shot start), and without the
-    grammar engine when it asks for no structured output (~0.13 s)."""
+    importing kvloop.client and httpx (~80 ms of every one-shot start), without the
+    grammar engine when it asks for no structured output (~0.13 s), and without tqdm.auto
+    (asyncio with it) when it shows no progress bar (torch imports plain tqdm itself)."""
     code = ("import sys; from kvloop.cli import main; "
             f"rc = main(['generate', 'The', '--max-tokens', '2', '--model', "
             f"{str(tiny_model_dir)!r}, '--kv-cache-memory', '32MiB']); "
             "print('\\nIMPORTED', 'httpx' in sys.modules, 'kvloop.client' in sys.modules, "
-            "'llguidance' in sys.modules, rc)")
+            "'llguidance' in sys.modules, 'tqdm.auto' in sys.modules, rc)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=CLI_TIMEOUT_S, env=env_for(tmp_path / "run"))
     assert p.returncode == 0, p.stderr
-    assert p.stdout.strip().splitlines()[-1] == "IMPORTED False False False 0", p.stdout
+    assert p.stdout.strip().splitlines()[-1] == "IMPORTED False False False False 0", p.stdout
