@@ -251,7 +251,7 @@ void unpack_row(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn
   const int64_t nb = L.in_features / kGroup;
   const bool f32s = L.kind == WeightKind::Q4F;
   const int64_t width = f32s ? 4 : 2;
-  const uint8_t* row = L.weight.data_ptr<uint8_t>() + n * nb * (2 * width + 16);
+  const uint8_t* row = L.wbytes + n * nb * (2 * width + 16);
   for (int64_t g = 0; g < nb; ++g) {
     sc[g] = f32s ? scale_at<true>(row, g) : scale_at<false>(row, g);
     mn[g] = f32s ? scale_at<true>(row + 4 * nb, g) : scale_at<false>(row + 2 * nb, g);
@@ -270,7 +270,7 @@ void unpack_row_pairs(const QLinear& L, int64_t n, int16_t* c16, float* sc, floa
   if (is_stored(L.kind)) {
     stored_unpack_row(L, n, scratch, sc, mn, corr);
   } else {
-    w = L.weight.data_ptr<int8_t>() + n * K;
+    w = reinterpret_cast<const int8_t*>(L.wbytes) + n * K;
     eight_bit_factors(L, n, sc, mn);
   }
   int64_t k = 0;
@@ -323,7 +323,7 @@ struct RowTile {
       // 8-bit codes dot as they are stored: no copy, and their sums only where the tile
       // reads them (at 8 rows of Q8_0 on AVX2, copying and summing were a third of the
       // GEMM's time: perf, 8192x2048, one thread).
-      rows[r] = L.weight.data_ptr<int8_t>() + n * K;
+      rows[r] = reinterpret_cast<const int8_t*>(L.wbytes) + n * K;
       eight_bit_factors(L, n, s, m);
       if (corrected) code_corrections(rows[r], K, sub, x);
       return;

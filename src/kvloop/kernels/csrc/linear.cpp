@@ -811,14 +811,14 @@ void rows_batch1(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m
   for (int64_t m = m0; m < m1; ++m) {
     switch (L.kind) {
       case WeightKind::Q4:
-        rows_q4<R, false>(L.weight.data_ptr<uint8_t>(), A, N, n, m, y);
+        rows_q4<R, false>(L.wbytes, A, N, n, m, y);
         break;
       case WeightKind::Q4F:
-        rows_q4<R, true>(L.weight.data_ptr<uint8_t>(), A, N, n, m, y);
+        rows_q4<R, true>(L.wbytes, A, N, n, m, y);
         break;
 #ifdef KVLOOP_MULTI_ROW_8BIT
       case WeightKind::Q8: {
-        const int8_t* W = L.weight.data_ptr<int8_t>();
+        const int8_t* W = reinterpret_cast<const int8_t*>(L.wbytes);
         const float* scales = L.scales.data_ptr<float>();
         if (L.wide_acts) {
           rows_q8_wide<R>(W, scales, A, N, n, m, y);
@@ -828,7 +828,7 @@ void rows_batch1(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m
         break;
       }
       case WeightKind::Q8B: {
-        const int8_t* W = L.weight.data_ptr<int8_t>();
+        const int8_t* W = reinterpret_cast<const int8_t*>(L.wbytes);
         const auto* S = static_cast<const uint8_t*>(L.scales.data_ptr());
         with_q8b_variant(L, [&](auto f32s, auto g, auto mn) {
           constexpr bool kF32S = decltype(f32s)::value, kMin = decltype(mn)::value;
@@ -887,7 +887,7 @@ template <int C, bool F32S, int G, bool MIN>
 void row_q8b_all(const QLinear& L, const float* x, const QuantizedActs* A, int64_t m0,
                  int64_t m1, int64_t n, float* y) {
   const int64_t N = L.out_features;
-  const int8_t* W = L.weight.data_ptr<int8_t>();
+  const int8_t* W = reinterpret_cast<const int8_t*>(L.wbytes);
   const auto* S = static_cast<const uint8_t*>(L.scales.data_ptr());
   int64_t m = m0;
   if (L.wide_acts) {
@@ -951,7 +951,7 @@ template <int R, int C>
 void tile_all_dense(const QLinear& L, const float* x, int64_t m0, int64_t m1, int64_t n0,
                     float* y) {
   const int64_t N = L.out_features, K = L.in_features;
-  const float* W = L.weight.data_ptr<float>();
+  const float* W = reinterpret_cast<const float*>(L.wbytes);
   int64_t m = m0;
   for (; m + C <= m1; m += C) tile_dense<R, C>(W, x, K, N, n0, m, y);
   for (; m < m1; ++m) tile_dense<R, 1>(W, x, K, N, n0, m, y);
@@ -965,13 +965,13 @@ void row_all(const QLinear& L, const float* x, const QuantizedActs* A, int64_t m
   int64_t m = m0;
   switch (L.kind) {
     case WeightKind::F32: {
-      const float* W = L.weight.data_ptr<float>();
+      const float* W = reinterpret_cast<const float*>(L.wbytes);
       for (; m + C <= m1; m += C) row_dense<C>(W, x, K, N, n, m, y);
       for (; m < m1; ++m) row_dense<1>(W, x, K, N, n, m, y);
       break;
     }
     case WeightKind::Q8: {
-      const int8_t* W = L.weight.data_ptr<int8_t>();
+      const int8_t* W = reinterpret_cast<const int8_t*>(L.wbytes);
       const float* s = L.scales.data_ptr<float>();
       if (L.wide_acts) {
         for (; m + C <= m1; m += C) row_q8_wide<C>(W, s, *A, N, n, m, y);
@@ -983,13 +983,13 @@ void row_all(const QLinear& L, const float* x, const QuantizedActs* A, int64_t m
       break;
     }
     case WeightKind::Q4: {
-      const uint8_t* W = L.weight.data_ptr<uint8_t>();
+      const uint8_t* W = L.wbytes;
       for (; m + C <= m1; m += C) row_q4<C, false>(W, *A, N, n, m, y);
       for (; m < m1; ++m) row_q4<1, false>(W, *A, N, n, m, y);
       break;
     }
     case WeightKind::Q4F: {
-      const uint8_t* W = L.weight.data_ptr<uint8_t>();
+      const uint8_t* W = L.wbytes;
       for (; m + C <= m1; m += C) row_q4<C, true>(W, *A, N, n, m, y);
       for (; m < m1; ++m) row_q4<1, true>(W, *A, N, n, m, y);
       break;
@@ -1094,6 +1094,7 @@ QLinear::QLinear(int64_t kind_, at::Tensor weight_, int64_t in_features_,
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N,
                 "bias must be float32 [N]");
   }
+  wbytes = static_cast<const uint8_t*>(weight.data_ptr());
 }
 
 std::shared_ptr<QLinear> QLinear::stack(const std::vector<std::shared_ptr<QLinear>>& parts) {
@@ -1229,12 +1230,12 @@ void decode_row(const QLinear& L, int64_t n, T* out) {
   }
   switch (L.kind) {
     case WeightKind::F32: {
-      const float* w = L.weight.data_ptr<float>() + n * K;
+      const float* w = reinterpret_cast<const float*>(L.wbytes) + n * K;
       for (int64_t k = 0; k < K; ++k) store(out + k, w[k]);
       break;
     }
     case WeightKind::Q8: {
-      const int8_t* q = L.weight.data_ptr<int8_t>() + n * K;
+      const int8_t* q = reinterpret_cast<const int8_t*>(L.wbytes) + n * K;
       const float s = L.scales.data_ptr<float>()[n];
       for (int64_t k = 0; k < K; ++k) store(out + k, s * static_cast<float>(q[k]));
       break;
@@ -1243,7 +1244,7 @@ void decode_row(const QLinear& L, int64_t n, T* out) {
     case WeightKind::Q4F: {
       const bool f32s = L.kind == WeightKind::Q4F;
       const int64_t nb = K / kGroup, width = f32s ? 4 : 2;
-      const uint8_t* row = L.weight.data_ptr<uint8_t>() + n * nb * (f32s ? kQ4FBlock : kQ4Block);
+      const uint8_t* row = L.wbytes + n * nb * (f32s ? kQ4FBlock : kQ4Block);
       const uint8_t* codes = row + 2 * width * nb;
       for (int64_t g = 0; g < nb; ++g) {
         const float sc = f32s ? scale_at<true>(row, g) : scale_at<false>(row, g);
@@ -1258,7 +1259,7 @@ void decode_row(const QLinear& L, int64_t n, T* out) {
       break;
     }
     case WeightKind::Q8B: {
-      const int8_t* q = L.weight.data_ptr<int8_t>() + n * K;
+      const int8_t* q = reinterpret_cast<const int8_t*>(L.wbytes) + n * K;
       const int64_t G = L.group, ng = K / G;
       const uint8_t* S = static_cast<const uint8_t*>(L.scales.data_ptr()) +
                          n * (L.has_min ? 2 : 1) * ng * (L.f32_scales ? 4 : 2);

@@ -78,7 +78,7 @@ int64_t run_blocks(int64_t in_features) {
 // weight along the row (for_each_run's runs, block by block).
 template <WeightKind K, typename F>
 inline void for_each_block(const QLinear& L, int64_t n, F&& f) {
-  const uint8_t* row = L.weight.data_ptr<uint8_t>() +
+  const uint8_t* row = L.wbytes +
                        n * (L.in_features / Traits<K>::QK * Traits<K>::BYTES);
   for_each_run<K>(L.in_features, [&](auto layout, int64_t blocks, int64_t byte0,
                                      int64_t group0) {
@@ -610,7 +610,7 @@ void rows_q6k_wide(const uint8_t* W, const QuantizedActs& A, int64_t N, int64_t 
 template <WeightKind K>
 void rows_t(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m1, int64_t n,
             float* y) {
-  const uint8_t* W = L.weight.data_ptr<uint8_t>();
+  const uint8_t* W = L.wbytes;
   int64_t m = m0;
   for (; m + kCols <= m1; m += kCols) rows_stored<kCols, 1, K>(W, A, L.out_features, n, m, y);
   for (; m < m1; ++m) rows_stored<1, 1, K>(W, A, L.out_features, n, m, y);
@@ -766,7 +766,7 @@ void stored_rows(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m
 void stored_rows_at_once(const QLinear& L, const QuantizedActs& A, int64_t m, int64_t n,
                          float* y) {
   const WeightKind kind = L.kind;
-  const uint8_t* W = L.weight.data_ptr<uint8_t>();
+  const uint8_t* W = L.wbytes;
 #define ROWS_AT_ONCE(F) rows_stored<1, kStoredRowsAtOnce, F>(W, A, L.out_features, n, m, y)
   switch (kind) { KVLOOP_STORED_KINDS(ROWS_AT_ONCE) }
 #undef ROWS_AT_ONCE
@@ -793,7 +793,7 @@ void lane_order_acts16(QuantizedActs& a) {
 // (stored_takes_wide_acts): called per weight row, they check nothing again.
 void stored_rows_wide(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m1,
                       int64_t n, float* y) {
-  const uint8_t* W = L.weight.data_ptr<uint8_t>();
+  const uint8_t* W = L.wbytes;
   int64_t m = m0;
   for (; m + kCols <= m1; m += kCols) rows_q6k_wide<kCols, 1>(W, A, L.out_features, n, m, y);
   for (; m < m1; ++m) rows_q6k_wide<1, 1>(W, A, L.out_features, n, m, y);
@@ -801,7 +801,7 @@ void stored_rows_wide(const QLinear& L, const QuantizedActs& A, int64_t m0, int6
 
 void stored_rows_wide_at_once(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m1,
                               int64_t n, float* y) {
-  const uint8_t* W = L.weight.data_ptr<uint8_t>();
+  const uint8_t* W = L.wbytes;
   const int64_t N = L.out_features;
   static_assert(kStoredRowsAtOnce == 4 && kCols == 4, "the cases below");
   switch (m1 - m0) {  // one pass over the rows for all of them (12 pairs would spill: 2 + 2)
