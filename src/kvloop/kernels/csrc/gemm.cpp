@@ -226,12 +226,12 @@ void unpack_nibbles(const uint8_t* b, int64_t nb, int8_t* codes, int32_t* corr) 
 void eight_bit_factors(const QLinear& L, int64_t n, float* sc, float* mn) {
   const int64_t K = L.in_features;
   if (L.kind == WeightKind::Q8) {
-    std::fill(sc, sc + K / kGroup, L.scales.data_ptr<float>()[n]);
+    std::fill(sc, sc + K / kGroup, reinterpret_cast<const float*>(L.sbytes)[n]);
     return;
   }
   TORCH_CHECK(L.kind == WeightKind::Q8B, "not a layer of 8-bit codes");
   const int64_t ng = K / L.group, width = L.f32_scales ? 4 : 2;
-  const uint8_t* S = static_cast<const uint8_t*>(L.scales.data_ptr()) +
+  const uint8_t* S = L.sbytes +
                      n * (L.has_min ? 2 : 1) * ng * width;
   for (int64_t g = 0; g < ng; ++g) {
     sc[g] = L.f32_scales ? scale_at<true>(S, g) : scale_at<false>(S, g);

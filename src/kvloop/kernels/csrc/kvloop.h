@@ -139,10 +139,11 @@ struct QLinear {
   bool wide_acts = false;  // Q8 / Q8B: int16 activations (the head: int8 moved its logits)
   int64_t out_features = 0, in_features = 0;
   at::Tensor weight, scales;
-  // weight's bytes, taken once by the constructor (weight is not replaced after it): the
-  // kernels read them per few weight rows, and data_ptr<T>() checks the dtype at every
-  // call (~2% of a 1B model's batch-1 decode step in perf, at 4 rows a call).
+  // weight's and scales' bytes, taken once by the constructor (neither is replaced after
+  // it): the kernels read them per few weight rows, and data_ptr<T>() checks the dtype at
+  // every call (2-3% of a batch-1 decode step's samples in perf, at 4 rows a call).
   const uint8_t* wbytes = nullptr;
+  const uint8_t* sbytes = nullptr;  // null for layouts without scales
   std::optional<at::Tensor> bias;
   // Q8B: the group of its scales (16 or 32), whether it has mins, whether they are fp32.
   int64_t group = 32;

@@ -819,7 +819,7 @@ void rows_batch1(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m
 #ifdef KVLOOP_MULTI_ROW_8BIT
       case WeightKind::Q8: {
         const int8_t* W = reinterpret_cast<const int8_t*>(L.wbytes);
-        const float* scales = L.scales.data_ptr<float>();
+        const float* scales = reinterpret_cast<const float*>(L.sbytes);
         if (L.wide_acts) {
           rows_q8_wide<R>(W, scales, A, N, n, m, y);
         } else {
@@ -829,7 +829,7 @@ void rows_batch1(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m
       }
       case WeightKind::Q8B: {
         const int8_t* W = reinterpret_cast<const int8_t*>(L.wbytes);
-        const auto* S = static_cast<const uint8_t*>(L.scales.data_ptr());
+        const auto* S = L.sbytes;
         with_q8b_variant(L, [&](auto f32s, auto g, auto mn) {
           constexpr bool kF32S = decltype(f32s)::value, kMin = decltype(mn)::value;
           constexpr int kG = decltype(g)::value;
@@ -888,7 +888,7 @@ void row_q8b_all(const QLinear& L, const float* x, const QuantizedActs* A, int64
                  int64_t m1, int64_t n, float* y) {
   const int64_t N = L.out_features;
   const int8_t* W = reinterpret_cast<const int8_t*>(L.wbytes);
-  const auto* S = static_cast<const uint8_t*>(L.scales.data_ptr());
+  const auto* S = L.sbytes;
   int64_t m = m0;
   if (L.wide_acts) {
     for (; m + C <= m1; m += C) row_q8b_wide<C, F32S, G, MIN>(W, S, *A, N, n, m, y);
@@ -972,7 +972,7 @@ void row_all(const QLinear& L, const float* x, const QuantizedActs* A, int64_t m
     }
     case WeightKind::Q8: {
       const int8_t* W = reinterpret_cast<const int8_t*>(L.wbytes);
-      const float* s = L.scales.data_ptr<float>();
+      const float* s = reinterpret_cast<const float*>(L.sbytes);
       if (L.wide_acts) {
         for (; m + C <= m1; m += C) row_q8_wide<C>(W, s, *A, N, n, m, y);
         for (; m < m1; ++m) row_q8_wide<1>(W, s, *A, N, n, m, y);
@@ -1095,6 +1095,7 @@ QLinear::QLinear(int64_t kind_, at::Tensor weight_, int64_t in_features_,
                 "bias must be float32 [N]");
   }
   wbytes = static_cast<const uint8_t*>(weight.data_ptr());
+  if (scales.defined()) sbytes = static_cast<const uint8_t*>(scales.data_ptr());
 }
 
 std::shared_ptr<QLinear> QLinear::stack(const std::vector<std::shared_ptr<QLinear>>& parts) {
@@ -1236,7 +1237,7 @@ void decode_row(const QLinear& L, int64_t n, T* out) {
     }
     case WeightKind::Q8: {
       const int8_t* q = reinterpret_cast<const int8_t*>(L.wbytes) + n * K;
-      const float s = L.scales.data_ptr<float>()[n];
+      const float s = reinterpret_cast<const float*>(L.sbytes)[n];
       for (int64_t k = 0; k < K; ++k) store(out + k, s * static_cast<float>(q[k]));
       break;
     }
@@ -1261,7 +1262,7 @@ void decode_row(const QLinear& L, int64_t n, T* out) {
     case WeightKind::Q8B: {
       const int8_t* q = reinterpret_cast<const int8_t*>(L.wbytes) + n * K;
       const int64_t G = L.group, ng = K / G;
-      const uint8_t* S = static_cast<const uint8_t*>(L.scales.data_ptr()) +
+      const uint8_t* S = L.sbytes +
                          n * (L.has_min ? 2 : 1) * ng * (L.f32_scales ? 4 : 2);
       const uint8_t* Mn = S + ng * (L.f32_scales ? 4 : 2);
       for (int64_t g = 0; g < ng; ++g) {
