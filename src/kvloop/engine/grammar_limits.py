@@ -44,6 +44,7 @@ MAX_LARK_NESTING = 28
 MAX_REGEX_NESTING = 64  # groups inside groups in one regex
 MAX_REGEX_CHARS = 10_000  # one regex: the regex constraint, a Lark /.../ or a "pattern"
 
+
 @cache
 def parser_limits() -> llg.LLParserLimits:
     """llguidance's own limits (llguidance.LLParserLimits), set rather than left to defaults
@@ -55,6 +56,7 @@ def parser_limits() -> llg.LLParserLimits:
     return llg.LLParserLimits(
         max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
         step_max_items=50_000, max_lexer_states=100_000, max_grammar_size=200_000)
+
 
 # Measured: a Lark rule chain costs ~3 KB of native stack a level (1 MiB held 250 levels,
 # not 500). 256 MiB is address space reserved once, touched only as deep as a compile goes,

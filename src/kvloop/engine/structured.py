@@ -17,7 +17,8 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import cache
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -49,12 +50,16 @@ def _llg() -> ModuleType:
     return llguidance
 
 
-def _fill(m: llg.LLMatcher, rows: Any, i: int) -> None:
-    # llguidance.numpy, not llguidance.torch: the latter's import compiles a torch.compile
-    # kernel kvloop does not use and pulls in dynamo and inductor (2 s of every start).
+@cache
+def _fill_bitmask() -> Callable[[llg.LLMatcher, Any, int], None]:
+    """llguidance's mask filler, looked up once (not per row of a step's masks).
+    llguidance.numpy, not llguidance.torch: the latter's import compiles a torch.compile
+    kernel kvloop does not use and pulls in dynamo and inductor (2 s of every start)."""
     from llguidance.numpy import fill_next_token_bitmask
 
-    fill_next_token_bitmask(m, rows, i)
+    return fill_next_token_bitmask  # type: ignore[no-any-return]
+
+
 # Fixed text longer than this at a grammar's start is refused: llguidance stops computing
 # forced text at ~25,000 bytes, which only a rule that never ends reaches.
 MAX_FORCED_BYTES = 16384
@@ -179,12 +184,13 @@ class GrammarCompiler:
         the rows repeat the last mask: they are never sampled, but must be finite."""
         masks = torch.empty(1 + len(drafts), (self.vocab_size + 31) // 32, dtype=torch.int32)
         rows = masks.numpy()  # the same memory
-        _fill(m, rows, 0)
+        fill = _fill_bitmask()
+        fill(m, rows, 0)
         consumed = 0
         for i, token in enumerate(drafts, start=1):
             if consumed == i - 1 and m.try_consume_tokens([token]) == 1:
                 consumed += 1
-                _fill(m, rows, i)
+                fill(m, rows, i)
             else:
                 masks[i] = masks[i - 1]
         if consumed:
@@ -197,8 +203,9 @@ class GrammarCompiler:
         slower here, its threads competing with the forward's for the 2 cores."""
         masks = torch.empty(len(matchers), (self.vocab_size + 31) // 32, dtype=torch.int32)
         rows = masks.numpy()  # the same memory
+        fill = _fill_bitmask()
         for i, m in enumerate(matchers):
-            _fill(m, rows, i)
+            fill(m, rows, i)
         return masks
 
     @staticmethod
