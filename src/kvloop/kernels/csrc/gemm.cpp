@@ -226,7 +226,7 @@ void unpack_nibbles(const uint8_t* b, int64_t nb, int8_t* codes, int32_t* corr) 
 void eight_bit_factors(const QLinear& L, int64_t n, float* sc, float* mn) {
   const int64_t K = L.in_features;
   if (L.kind == WeightKind::Q8) {
-    std::fill(sc, sc + K / kGroup, reinterpret_cast<const float*>(L.sbytes)[n]);
+    std::fill(sc, sc + K / kGroup, L.s<float>()[n]);
     return;
   }
   TORCH_CHECK(L.kind == WeightKind::Q8B, "not a layer of 8-bit codes");
@@ -270,7 +270,7 @@ void unpack_row_pairs(const QLinear& L, int64_t n, int16_t* c16, float* sc, floa
   if (is_stored(L.kind)) {
     stored_unpack_row(L, n, scratch, sc, mn, corr);
   } else {
-    w = reinterpret_cast<const int8_t*>(L.wbytes) + n * K;
+    w = L.w<int8_t>() + n * K;
     eight_bit_factors(L, n, sc, mn);
   }
   int64_t k = 0;
@@ -323,7 +323,7 @@ struct RowTile {
       // 8-bit codes dot as they are stored: no copy, and their sums only where the tile
       // reads them (at 8 rows of Q8_0 on AVX2, copying and summing were a third of the
       // GEMM's time: perf, 8192x2048, one thread).
-      rows[r] = reinterpret_cast<const int8_t*>(L.wbytes) + n * K;
+      rows[r] = L.w<int8_t>() + n * K;
       eight_bit_factors(L, n, s, m);
       if (corrected) code_corrections(rows[r], K, sub, x);
       return;

@@ -141,9 +141,14 @@ struct QLinear {
   at::Tensor weight, scales;
   // weight's and scales' bytes, taken once by the constructor (neither is replaced after
   // it): the kernels read them per few weight rows, and data_ptr<T>() checks the dtype at
-  // every call (2-3% of a batch-1 decode step's samples in perf, at 4 rows a call).
+  // every call (2-3% of a batch-1 decode step's samples in perf, at 4 rows a call). Read
+  // them as the layout's type through w<T>() and s<T>().
   const uint8_t* wbytes = nullptr;
   const uint8_t* sbytes = nullptr;  // null for layouts without scales
+  template <typename T>
+  const T* w() const { return reinterpret_cast<const T*>(wbytes); }
+  template <typename T>
+  const T* s() const { return reinterpret_cast<const T*>(sbytes); }
   std::optional<at::Tensor> bias;
   // Q8B: the group of its scales (16 or 32), whether it has mins, whether they are fp32.
   int64_t group = 32;

@@ -818,8 +818,8 @@ void rows_batch1(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m
         break;
 #ifdef KVLOOP_MULTI_ROW_8BIT
       case WeightKind::Q8: {
-        const int8_t* W = reinterpret_cast<const int8_t*>(L.wbytes);
-        const float* scales = reinterpret_cast<const float*>(L.sbytes);
+        const int8_t* W = L.w<int8_t>();
+        const float* scales = L.s<float>();
         if (L.wide_acts) {
           rows_q8_wide<R>(W, scales, A, N, n, m, y);
         } else {
@@ -828,7 +828,7 @@ void rows_batch1(const QLinear& L, const QuantizedActs& A, int64_t m0, int64_t m
         break;
       }
       case WeightKind::Q8B: {
-        const int8_t* W = reinterpret_cast<const int8_t*>(L.wbytes);
+        const int8_t* W = L.w<int8_t>();
         const auto* S = L.sbytes;
         with_q8b_variant(L, [&](auto f32s, auto g, auto mn) {
           constexpr bool kF32S = decltype(f32s)::value, kMin = decltype(mn)::value;
@@ -887,7 +887,7 @@ template <int C, bool F32S, int G, bool MIN>
 void row_q8b_all(const QLinear& L, const float* x, const QuantizedActs* A, int64_t m0,
                  int64_t m1, int64_t n, float* y) {
   const int64_t N = L.out_features;
-  const int8_t* W = reinterpret_cast<const int8_t*>(L.wbytes);
+  const int8_t* W = L.w<int8_t>();
   const auto* S = L.sbytes;
   int64_t m = m0;
   if (L.wide_acts) {
@@ -951,7 +951,7 @@ template <int R, int C>
 void tile_all_dense(const QLinear& L, const float* x, int64_t m0, int64_t m1, int64_t n0,
                     float* y) {
   const int64_t N = L.out_features, K = L.in_features;
-  const float* W = reinterpret_cast<const float*>(L.wbytes);
+  const float* W = L.w<float>();
   int64_t m = m0;
   for (; m + C <= m1; m += C) tile_dense<R, C>(W, x, K, N, n0, m, y);
   for (; m < m1; ++m) tile_dense<R, 1>(W, x, K, N, n0, m, y);
@@ -965,14 +965,14 @@ void row_all(const QLinear& L, const float* x, const QuantizedActs* A, int64_t m
   int64_t m = m0;
   switch (L.kind) {
     case WeightKind::F32: {
-      const float* W = reinterpret_cast<const float*>(L.wbytes);
+      const float* W = L.w<float>();
       for (; m + C <= m1; m += C) row_dense<C>(W, x, K, N, n, m, y);
       for (; m < m1; ++m) row_dense<1>(W, x, K, N, n, m, y);
       break;
     }
     case WeightKind::Q8: {
-      const int8_t* W = reinterpret_cast<const int8_t*>(L.wbytes);
-      const float* s = reinterpret_cast<const float*>(L.sbytes);
+      const int8_t* W = L.w<int8_t>();
+      const float* s = L.s<float>();
       if (L.wide_acts) {
         for (; m + C <= m1; m += C) row_q8_wide<C>(W, s, *A, N, n, m, y);
         for (; m < m1; ++m) row_q8_wide<1>(W, s, *A, N, n, m, y);
@@ -1231,13 +1231,13 @@ void decode_row(const QLinear& L, int64_t n, T* out) {
   }
   switch (L.kind) {
     case WeightKind::F32: {
-      const float* w = reinterpret_cast<const float*>(L.wbytes) + n * K;
+      const float* w = L.w<float>() + n * K;
       for (int64_t k = 0; k < K; ++k) store(out + k, w[k]);
       break;
     }
     case WeightKind::Q8: {
-      const int8_t* q = reinterpret_cast<const int8_t*>(L.wbytes) + n * K;
-      const float s = reinterpret_cast<const float*>(L.sbytes)[n];
+      const int8_t* q = L.w<int8_t>() + n * K;
+      const float s = L.s<float>()[n];
       for (int64_t k = 0; k < K; ++k) store(out + k, s * static_cast<float>(q[k]));
       break;
     }
@@ -1260,7 +1260,7 @@ void decode_row(const QLinear& L, int64_t n, T* out) {
       break;
     }
     case WeightKind::Q8B: {
-      const int8_t* q = reinterpret_cast<const int8_t*>(L.wbytes) + n * K;
+      const int8_t* q = L.w<int8_t>() + n * K;
       const int64_t G = L.group, ng = K / G;
       const uint8_t* S = L.sbytes +
                          n * (L.has_min ? 2 : 1) * ng * (L.f32_scales ? 4 : 2);
