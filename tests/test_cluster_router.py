@@ -68,13 +68,14 @@ def test_round_robin_rotates_over_the_replicas_that_are_up() -> None:
 def test_sum_stats_adds_the_replicas_up() -> None:
     def one(used: int, hits: int) -> SchedulerStats:
         return SchedulerStats(1, 2, KVCacheStats(10, 10 - used, 100, hits, 64, "fp32", (used,)),
-                              3, accepted_per_step=(1, 2))
+                              3, accepted_per_step=(1, 2), num_steps=used * 10)
 
     total = sum_stats([one(4, 50), one(1, 10)])
     assert (total.num_running, total.num_waiting, total.num_preemptions) == (2, 4, 6)
     assert (total.kv.num_blocks, total.kv.num_used_blocks) == (20, 5)
     assert total.kv.prefix_hit_rate == pytest.approx(60 / 200)
     assert total.kv.seq_blocks == (4, 1) and total.accepted_per_step == (2, 4)
+    assert total.num_steps == 50
 
 
 def test_routing_a_long_prompt_takes_well_under_a_millisecond() -> None:

@@ -582,6 +582,11 @@ def test_stream_disconnect_aborts_and_frees_blocks(client: httpx.Client,
             if got == 3:
                 break
         assert metric(client, "kvloop_kv_cache_blocks_used") > 0
+        steps = metric(client, "kvloop_engine_steps_total")
+        assert steps > 0
+        deadline = time.monotonic() + 10
+        while metric(client, "kvloop_engine_steps_total") == steps:  # the counter moves
+            assert time.monotonic() < deadline, "kvloop_engine_steps_total did not move"
     wait_idle(client, timeout=5)
     assert metric(client, "kvloop_generation_tokens_total") - generated < 1500
 

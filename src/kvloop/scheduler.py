@@ -67,6 +67,9 @@ class SchedulerStats:
     num_accepted_tokens: int = 0
     accepted_per_step: tuple[int, ...] = ()
     num_forced_tokens: int = 0  # jump-forward: grammar-forced tokens the model accepted
+    # Steps the engine has run (the engine counts them and fills this in): the step the
+    # other figures are as of, so a reader can match them to that step's record.
+    num_steps: int = 0
 
 
 class Scheduler:

@@ -33,4 +33,5 @@ def sum_stats(stats: Sequence[SchedulerStats]) -> SchedulerStats:
         num_draft_tokens=sum(s.num_draft_tokens for s in stats),
         num_accepted_tokens=sum(s.num_accepted_tokens for s in stats),
         accepted_per_step=tuple(per_step),
-        num_forced_tokens=sum(s.num_forced_tokens for s in stats))
+        num_forced_tokens=sum(s.num_forced_tokens for s in stats),
+        num_steps=sum(s.num_steps for s in stats))

@@ -513,7 +513,7 @@ class LLMEngine:
         return bool(self._groups)
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        return replace(self.scheduler.stats(), num_steps=self.num_steps)
 
     def kv_block_map(self) -> BlockMap:
         """Every KV block's state and owner now: for a step observer, on this thread."""

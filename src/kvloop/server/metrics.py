@@ -74,6 +74,9 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("kvloop_prefix_cache_hit_rate",
                                 "Prompt tokens found in the prefix cache / tokens looked up.",
                                 st.kv.prefix_hit_rate)
+        yield CounterMetricFamily("kvloop_engine_steps",
+                                  "Engine steps run (the figures here are as of the last).",
+                                  st.num_steps)
         yield CounterMetricFamily("kvloop_num_preemptions",
                                   "Requests preempted (KV blocks ran out).", st.num_preemptions)
         yield CounterMetricFamily("kvloop_spec_draft_tokens",
