@@ -192,9 +192,11 @@ void code_corrections(const int8_t* codes, int64_t K, int64_t sub, int32_t* corr
 namespace {
 
 // nb groups of 16 bytes (element j of a group in byte j's low nibble, 16 + j in its high)
-// as codes [nb * 32], and their corrections per group of 32. The weight rows of a tile are
-// unpacked once per pass over the activations: at decode batch sizes (16-64 rows) that is
-// a large share of the GEMM's time, so it runs on vectors (a byte loop cost ~3 ns a code).
+// as codes [nb * 32], and their corrections per group of 32 where corr is not null (only
+// the +128 forms read them: Dot::kSigned, every 4-bit layer's on AVX2, does not). The
+// weight rows of a tile are unpacked once per pass over the activations: at decode batch
+// sizes (16-64 rows) that is a large share of the GEMM's time, so it runs on vectors (a
+// byte loop cost ~3 ns a code).
 void unpack_nibbles(const uint8_t* b, int64_t nb, int8_t* codes, int32_t* corr) {
   for (int64_t g = 0; g < nb; ++g) {
     int8_t* o = codes + g * kGroup;
@@ -204,6 +206,7 @@ void unpack_nibbles(const uint8_t* b, int64_t nb, int8_t* codes, int32_t* corr) 
     const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(o), lo);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 16), hi);
+    if (corr == nullptr) continue;
     // The codes are 0-15: psadbw against zero sums each 8 of them.
     const __m128i sums = _mm_add_epi64(_mm_sad_epu8(lo, _mm_setzero_si128()),
                                        _mm_sad_epu8(hi, _mm_setzero_si128()));
@@ -216,9 +219,22 @@ void unpack_nibbles(const uint8_t* b, int64_t nb, int8_t* codes, int32_t* corr) 
       o[j + 16] = static_cast<int8_t>(b[16 * g + j] >> 4);
       total += o[j] + o[j + 16];
     }
-    corr[g] = -128 * total;
+    if (corr != nullptr) corr[g] = -128 * total;
 #endif
   }
+}
+
+// n fp16 factors as floats: 8 at a time where F16C converts them (a row of the default
+// model's int4 layers has 18 scales and 18 mins, converted one by one they were a third
+// of its unpacking).
+void f16_factors(const uint8_t* h, int64_t n, float* out) {
+  int64_t i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 2 * i))));
+#endif
+  for (; i < n; ++i) out[i] = scale_at<false>(h, i);
 }
 
 // Row n's factors in an 8-bit-code layer: Q8's one scale repeated per group of 32, or Q8B's
@@ -242,7 +258,8 @@ void eight_bit_factors(const QLinear& L, int64_t n, float* sc, float* mn) {
 
 // Weight row n of a layer with packed codes (GGUF blocks as stored, Q4, Q4F) as codes [K],
 // scales [K / 32 or 16], mins [K / 32] (where it has them), w = sc * c + mn, and the
-// corrections [K / 32 or 16]. (8-bit codes are read where they are: RowTile::load.)
+// corrections [K / 32 or 16] where corr is not null. (8-bit codes are read where they
+// are: RowTile::load.)
 void unpack_row(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn,
                 int32_t* corr) {
   if (is_stored(L.kind)) return stored_unpack_row(L, n, codes, sc, mn, corr);
@@ -252,23 +269,26 @@ void unpack_row(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn
   const bool f32s = L.kind == WeightKind::Q4F;
   const int64_t width = f32s ? 4 : 2;
   const uint8_t* row = L.wbytes + n * nb * (2 * width + 16);
-  for (int64_t g = 0; g < nb; ++g) {
-    sc[g] = f32s ? scale_at<true>(row, g) : scale_at<false>(row, g);
-    mn[g] = f32s ? scale_at<true>(row + 4 * nb, g) : scale_at<false>(row + 2 * nb, g);
+  if (f32s) {
+    std::memcpy(sc, row, nb * 4);
+    std::memcpy(mn, row + 4 * nb, nb * 4);
+  } else {
+    f16_factors(row, nb, sc);
+    f16_factors(row + 2 * nb, nb, mn);
   }
   unpack_nibbles(row + 2 * width * nb, nb, codes, corr);
 }
 
 // Row n of a layer with int16 activations (8-bit codes, Q6_K blocks) as tile_pairs takes
 // it: its codes widened to int16 (8-bit ones straight from the weights, Q6_K's unpacked
-// into `scratch` [K] first: corr [K / 16] is written there and not read), and its
-// factors; int16 activations in pairs carry no offset to correct.
+// into `scratch` [K] first), and its factors; int16 activations in pairs carry no offset
+// to correct.
 void unpack_row_pairs(const QLinear& L, int64_t n, int16_t* c16, float* sc, float* mn,
-                      int8_t* scratch, int32_t* corr) {
+                      int8_t* scratch) {
   const int64_t K = L.in_features;
   const int8_t* w = scratch;
   if (is_stored(L.kind)) {
-    stored_unpack_row(L, n, scratch, sc, mn, corr);
+    stored_unpack_row(L, n, scratch, sc, mn, nullptr);
   } else {
     w = L.w<int8_t>() + n * K;
     eight_bit_factors(L, n, sc, mn);
@@ -318,7 +338,7 @@ struct RowTile {
     float* m = mn.data() + r * (K / kGroup);
     int32_t* x = corr.data() + r * (K / sub);
     if (pairs)
-      return unpack_row_pairs(L, n, codes16.data() + r * K, s, m, codes.data() + r * K, x);
+      return unpack_row_pairs(L, n, codes16.data() + r * K, s, m, codes.data() + r * K);
     if (L.kind == WeightKind::Q8 || L.kind == WeightKind::Q8B) {
       // 8-bit codes dot as they are stored: no copy, and their sums only where the tile
       // reads them (at 8 rows of Q8_0 on AVX2, copying and summing were a third of the
@@ -330,7 +350,7 @@ struct RowTile {
     }
     int8_t* unpacked = codes.data() + r * K;
     rows[r] = unpacked;
-    unpack_row(L, n, unpacked, s, m, x);
+    unpack_row(L, n, unpacked, s, m, corrected ? x : nullptr);
   }
 };
 

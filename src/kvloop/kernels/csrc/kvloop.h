@@ -243,7 +243,8 @@ void stored_rows_wide_at_once(const QLinear& L, const QuantizedActs& A, int64_t 
                               int64_t n, float* y);
 // Row n as the int8 GEMM takes it: signed codes [K], w = sc[k / SUB] * code + mn[k / 32],
 // SUB = stored_gemm_sub (16 or 32), mn written only where stored_gemm_has_min; corr
-// [K / SUB]: -128 * the sum of each scale's codes (the GEMM's offset correction).
+// [K / SUB] (unless null): -128 * the sum of each scale's codes (the GEMM's offset
+// correction, which only its +128 forms read).
 void stored_unpack_row(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn,
                        int32_t* corr);
 int64_t stored_gemm_sub(WeightKind kind);

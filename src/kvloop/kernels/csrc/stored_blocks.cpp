@@ -711,10 +711,17 @@ void unpack_t(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn, 
         for (int64_t g = 0; g < G; ++g) bm[g] = m[g];
     }
     int8_t* o = codes + k0;
-    int32_t* x = corr + k0 / T::SUB;  // -128 * sum of each scale's codes: sum(u) - kShift * SUB
 #ifdef __AVX2__
-    // Per group, 8 lanes of sums of 4 codes (lanes 0-3: its first 16 codes); the groups'
-    // horizontal sums then all at once below (a third of the instructions of one each).
+    if (corr == nullptr) {  // a form that reads no corrections (Dot::kSigned, kPairs)
+      for_each_group<KB>(b, [&](int64_t g, __m256i u) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + g * kGroup),
+                            _mm256_sub_epi8(u, _mm256_set1_epi8(kShift)));
+      });
+      return;
+    }
+    // -128 * sum of each scale's codes: sum(u) - kShift * SUB. Per group, 8 lanes of sums
+    // of 4 codes (lanes 0-3: its first 16 codes); the groups' horizontal sums then all at
+    // once below (a third of the instructions of one each).
     __m256i sums[G];
     for_each_group<KB>(b, [&](int64_t g, __m256i u) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + g * kGroup),
@@ -722,12 +729,12 @@ void unpack_t(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn, 
       sums[g] = _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_set1_epi8(1)),
                                   _mm256_set1_epi16(1));
     });
-    block_corrections<T::SUB, G, kShift>(sums, x);
+    block_corrections<T::SUB, G, kShift>(sums, corr + k0 / T::SUB);
 #else
     uint8_t u[T::QK];
     unpack_codes<KB>(b, u);
     for (int64_t k = 0; k < T::QK; ++k) o[k] = static_cast<int8_t>(u[k] - kShift);
-    code_corrections(o, T::QK, T::SUB, x);
+    if (corr != nullptr) code_corrections(o, T::QK, T::SUB, corr + k0 / T::SUB);
 #endif
   });
 }
