@@ -224,7 +224,8 @@ def check_the_loop_while_requests_run(page: Any, url: str) -> None:
     # (Checked once the page holds every step's record, the last ones included.)
     # The grid's used count is what the engine's record of its step says, and /metrics'
     # gauge is what the record of the step it was published after says. The page reads
-    # its feed every 0.1 s, so it may be steps behind the gauge, never ahead of it.
+    # its feed every 0.1 s, so it may be steps behind the gauge, and at most one ahead (a
+    # step's record reaches the feed just before the engine publishes its figures).
     by_step: dict[int, int] = {}
     for s in [*samples, state]:
         by_step.update((int(i), n) for i, n in s["kv_by_step"].items())
@@ -232,7 +233,7 @@ def check_the_loop_while_requests_run(page: Any, url: str) -> None:
         assert s["used"] == by_step[s["map_step"]] == s["shown_used"], s
     print(f"\n{len(gaps)} updates; (grid used, its step, /metrics used, its step): {gaps}")
     for used, map_step, metric, metric_step in gaps:
-        assert map_step <= metric_step, (used, map_step, metric, metric_step)
+        assert map_step <= metric_step + 1, (used, map_step, metric, metric_step)
         assert metric == by_step[metric_step], (used, map_step, metric, metric_step,
                                                 by_step[metric_step])
 
