@@ -262,5 +262,5 @@ class GrammarCompiler:
         with self._lock:
             if self._ll is None:
                 self._ll = _llg().LLTokenizer(self._tokenizer.backend.to_str(),
-                                           n_vocab=self.vocab_size, eos_token=self._eos)
+                                              n_vocab=self.vocab_size, eos_token=self._eos)
             return self._ll

@@ -224,19 +224,6 @@ void unpack_nibbles(const uint8_t* b, int64_t nb, int8_t* codes, int32_t* corr) 
   }
 }
 
-// n fp16 factors as floats: 8 at a time where F16C converts them (a row of the default
-// model's int4 layers has 18 scales and 18 mins, converted one by one they were a third
-// of its unpacking).
-void f16_factors(const uint8_t* h, int64_t n, float* out) {
-  int64_t i = 0;
-#ifdef __F16C__
-  for (; i + 8 <= n; i += 8)
-    _mm256_storeu_ps(out + i,
-                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + 2 * i))));
-#endif
-  for (; i < n; ++i) out[i] = scale_at<false>(h, i);
-}
-
 // Row n's factors in an 8-bit-code layer: Q8's one scale repeated per group of 32, or Q8B's
 // scales [K / group] (and mins [K / 32] where it has them).
 void eight_bit_factors(const QLinear& L, int64_t n, float* sc, float* mn) {
@@ -273,8 +260,8 @@ void unpack_row(const QLinear& L, int64_t n, int8_t* codes, float* sc, float* mn
     std::memcpy(sc, row, nb * 4);
     std::memcpy(mn, row + 4 * nb, nb * 4);
   } else {
-    f16_factors(row, nb, sc);
-    f16_factors(row + 2 * nb, nb, mn);
+    f16_scales(row, nb, sc);
+    f16_scales(row + 2 * nb, nb, mn);
   }
   unpack_nibbles(row + 2 * width * nb, nb, codes, corr);
 }

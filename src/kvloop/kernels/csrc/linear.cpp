@@ -659,11 +659,7 @@ const float* row_scales(const uint8_t* table, int64_t n, float* buf) {
   if constexpr (F32S) {
     return reinterpret_cast<const float*>(table);
   } else {
-    int64_t i = 0;
-#if defined(__AVX2__) && defined(__F16C__)
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(buf + i, scales8<false>(table, i));
-#endif
-    for (; i < n; ++i) buf[i] = scale_at<false>(table, i);
+    f16_scales(table, n, buf);
     return buf;
   }
 }
