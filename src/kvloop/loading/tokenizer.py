@@ -22,7 +22,7 @@ import secrets
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from functools import cache
-from itertools import repeat
+from itertools import compress, count, repeat
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -570,6 +570,12 @@ def _merge_pairs(metadata: Mapping[str, Any]) -> list[tuple[str, str]]:
     return cast(list[tuple[str, str]], list(map(tuple, split)))
 
 
+def _first_ids(tokens: Sequence[str]) -> dict[str, int]:
+    """Each token's first id (a token listed twice keeps the lower one), built in C: the
+    later of two equal keys wins, so the list goes in reversed."""
+    return dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1), strict=True))
+
+
 def _added_tokens(tokens: Sequence[str], types: Sequence[int]) -> list[AddedToken]:
     """CONTROL tokens (``<|im_end|>``) become special added tokens: matched whole in text and
     dropped by decode(skip_special_tokens=True). USER_DEFINED ones (``<think>``) are matched
@@ -588,8 +594,7 @@ def _byte_level_bpe(
     spelled = set(alphabet.values())
     vocab: dict[str, int] = {}
     if set("".join(tokens)) <= spelled:  # nothing to respell (the usual case): no loop
-        # The first id of each token, as setdefault in the loop below keeps.
-        vocab = dict(zip(reversed(tokens), range(len(tokens) - 1, -1, -1), strict=True))
+        vocab = _first_ids(tokens)
         tokens_left: Sequence[str] = ()
     else:
         tokens_left = tokens
@@ -633,10 +638,13 @@ def _sentencepiece_bpe(
     gemma = arch.startswith("gemma")
     if gemma:
         # Gemma stores its runs-of-spaces tokens with real spaces; the text side sees ▁.
-        tokens = ["▁" * len(t) if t and not t.strip(" ") else t for t in tokens]
-    vocab: dict[str, int] = {}
-    for i, tok in enumerate(tokens):
-        vocab.setdefault(tok, i)
+        # (str.isspace over the whole vocabulary in C, then the few candidates in Python:
+        # a loop over Gemma 3's 262k tokens was a tenth of its tokenizer's build.)
+        tokens = list(tokens)
+        for i in compress(count(), map(str.isspace, tokens)):
+            if not tokens[i].strip(" "):
+                tokens[i] = "▁" * len(tokens[i])
+    vocab = _first_ids(tokens)
     merges = _merge_pairs(metadata)
     if not merges:
         cached = _cached_merges(merges_cache, tokens)
@@ -689,7 +697,10 @@ def _cached_merges(cache: MergesCache | None,
     if (pairs is None or pairs.ndim != 2 or pairs.shape[1] != 2
             or (pairs.size and (pairs.min() < 0 or pairs.max() >= len(tokens)))):
         return None
-    return [(tokens[left], tokens[right]) for left, right in pairs.tolist()]
+    # Gathered by numpy and zipped in C: a Python loop over Gemma 3's 515k pairs took 0.4 s.
+    table = np.empty(len(tokens), dtype=object)
+    table[:] = tokens
+    return list(zip(table[pairs[:, 0]].tolist(), table[pairs[:, 1]].tolist(), strict=True))
 
 
 def _derive_merges(
