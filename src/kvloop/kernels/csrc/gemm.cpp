@@ -97,9 +97,6 @@ template <Dot kDot, int kSums>
 constexpr bool kWholeGroups = kMaddubs && kDot == Dot::kSigned && kSums == 8;
 template <Dot kDot, int kSums>
 constexpr int kTileRows = kWholeGroups<kDot, kSums> ? 3 : kR;
-// Output columns a thread gathers before writing them to y (gemm_t): 16 tiles' worth.
-template <int kTileR>
-constexpr int64_t kOutCols = 16 * kTileR;
 template <Dot kDot, int kSums>
 constexpr int kTilePanels = kWholeGroups<kDot, kSums> ? 2 : kDot == Dot::kWide ? kPW : kP;
 
@@ -582,15 +579,14 @@ void tile(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0, float* o
 #endif
 }
 
-// Tile results into dst[m - m0, n0 + r] (leading dimension ld) for the rows m that exist.
+// Tile results into y[m, n0 + r] for the rows that exist.
 template <int R, int P>
-void scatter(const float* out, int64_t M, int64_t m0, int64_t ld, int64_t n0, int64_t p0,
-             float* dst) {
+void scatter(const float* out, int64_t M, int64_t N, int64_t n0, int64_t p0, float* y) {
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p)
       for (int64_t l = 0; l < kLanes; ++l) {
         const int64_t m = (p0 + p) * kLanes + l;
-        if (m < M) dst[(m - m0) * ld + n0 + r] = out[(r * P + p) * kLanes + l];
+        if (m < M) y[m * N + n0 + r] = out[(r * P + p) * kLanes + l];
       }
 }
 
@@ -624,25 +620,8 @@ void gemm_t(const QLinear& L, const QuantizedActs& a, float* y) {
       thread_local RowTile w;
       w.reserve(K, SUB, kPairs, kDot == Dot::kOffset || kDot == Dot::kWide);
       float out[kTileR * kTileP * kLanes];
-      // The tiles' results gather in `block` (this chunk's rows x kOutCols columns) and go
-      // to y a whole run of each row at a time. Written tile by tile, each row got a few
-      // floats per tile, and y's rows lie N floats apart: at a power-of-two N (Gemma 3's
-      // 262,144-row head) every row's line falls in the same cache set, so each tile's
-      // stores evicted the lines the last tile had half written.
-      thread_local std::vector<float> block;
-      const int64_t m0 = c0 * kLanes, mrows = std::min(M, c1 * kLanes) - m0;
-      block.resize(mrows * kOutCols<kTileR>);
-      int64_t col0 = t0 * kTileR;  // y's column that block's column 0 holds
-      const auto flush = [&](int64_t col1) {
-        for (int64_t m = 0; m < mrows; ++m)
-          std::memcpy(y + (m0 + m) * N + col0, block.data() + m * kOutCols<kTileR>,
-                      (col1 - col0) * sizeof(float));
-        col0 = col1;
-      };
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t n0 = t * kTileR;
-        if (n0 - col0 == kOutCols<kTileR>) flush(n0);
-        const int64_t n = n0 - col0;  // the tile's first column in block
         const int rows = static_cast<int>(std::min<int64_t>(kTileR, N - n0));
         for (int r = 0; r < rows; ++r) w.load(L, n0 + r, r);
         // The next tile's weight bytes requested now, read while this tile computes: the
@@ -653,27 +632,24 @@ void gemm_t(const QLinear& L, const QuantizedActs& a, float* y) {
           for (int64_t off = (n0 + kTileR) * row_bytes; off < end; off += 64)
             prefetch(base + off);
         }
-        constexpr int64_t ld = kOutCols<kTileR>;
-        float* dst = block.data();
         if (rows == kTileR) {
           int64_t p = c0;
           for (; p + kTileP <= c1; p += kTileP) {
             run_tile<SUB, kMin, kDot, kSums, kTileR, kTileP>(w, 0, a, p, out);
-            scatter<kTileR, kTileP>(out, M, m0, ld, n, p, dst);
+            scatter<kTileR, kTileP>(out, M, N, n0, p, y);
           }
           for (; p < c1; ++p) {
             run_tile<SUB, kMin, kDot, kSums, kTileR, 1>(w, 0, a, p, out);
-            scatter<kTileR, 1>(out, M, m0, ld, n, p, dst);
+            scatter<kTileR, 1>(out, M, N, n0, p, y);
           }
         } else {
           for (int r = 0; r < rows; ++r)
             for (int64_t p = c0; p < c1; ++p) {
               run_tile<SUB, kMin, kDot, kSums, 1, 1>(w, r, a, p, out);
-              scatter<1, 1>(out, M, m0, ld, n + r, p, dst);
+              scatter<1, 1>(out, M, N, n0 + r, p, y);
             }
         }
       }
-      if (t0 < t1) flush(std::min(N, t1 * kTileR));
     });
   }
 }
