@@ -639,7 +639,7 @@ def _sentencepiece_bpe(
     if gemma:
         # Gemma stores its runs-of-spaces tokens with real spaces; the text side sees ▁.
         # (str.isspace over the whole vocabulary in C, then the few candidates in Python:
-        # a loop over Gemma 3's 262k tokens was a tenth of its tokenizer's build.)
+        # ~0.015 s on Gemma 3's 262k tokens, where a Python loop over all of them took ~0.1.)
         tokens = list(tokens)
         for i in compress(count(), map(str.isspace, tokens)):
             if not tokens[i].strip(" "):
@@ -697,7 +697,7 @@ def _cached_merges(cache: MergesCache | None,
     if (pairs is None or pairs.ndim != 2 or pairs.shape[1] != 2
             or (pairs.size and (pairs.min() < 0 or pairs.max() >= len(tokens)))):
         return None
-    # Gathered by numpy and zipped in C: a Python loop over Gemma 3's 515k pairs took 0.4 s.
+    # Gathered by numpy and zipped in C (Gemma 3's 515k pairs: ~0.33 s, a Python loop ~0.43).
     table = np.empty(len(tokens), dtype=object)
     table[:] = tokens
     return list(zip(table[pairs[:, 0]].tolist(), table[pairs[:, 1]].tolist(), strict=True))
