@@ -171,9 +171,9 @@ def test_stored_batch1_rows_equal_the_same_rows_in_a_batch(isa: str, fmt: Any) -
         assert_linear_close(alone, (xd @ dense.T).float(), f"{isa} {fmt.name} K={K}")
 
 
-# Row counts around the int8 GEMM's tiles (panels of 8 activation rows, in pairs on
-# AVX-512) and, at K = 4096, past its first chunk of panels (16 panels: 128 rows).
-GEMM_ROWS = (8, 9, 15, 16, 17, 24, 33, 200)
+# Row counts around the int8 GEMM's tiles (panels of 8 activation rows; of 16, in pairs,
+# on AVX-512) and, at K = 4096, past its first chunk of panels (128 rows on either).
+GEMM_ROWS = (8, 9, 15, 16, 17, 24, 31, 32, 33, 48, 200)
 GEMM_LAYOUTS = ["q8", "q4", "q4f", "q8b-g16", "q8b-min-f32", "q8b-g32-f16",
                 *(f.name for f in STORED_KINDS)]
 

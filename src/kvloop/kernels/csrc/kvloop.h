@@ -103,7 +103,13 @@ struct QuantizedActs {
   std::vector<float> pd, ps;
 };
 
-constexpr int64_t kGemmLanes = 8;  // activation rows per panel: one 256-bit vector of sums
+// Activation rows per panel: one vector of int32 sums. AVX-512 builds hold 16 in a 512-bit
+// register (gemm.cpp says why), the others 8 in a 256-bit one.
+#if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr int64_t kGemmLanes = 16;
+#else
+constexpr int64_t kGemmLanes = 8;
+#endif
 
 constexpr int64_t kMaxGroups = 2048;  // int4: in_features up to 65536
 

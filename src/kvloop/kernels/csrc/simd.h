@@ -50,7 +50,7 @@ inline void f16_scales(const uint8_t* table, int64_t n, float* out) {
 }
 
 #if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define KVLOOP_VNNI 1  // vpdpbusd on 256-bit registers
+#define KVLOOP_VNNI 1  // vpdpbusd (AVX512VL: on 256-bit registers too)
 #endif
 
 // Whether Q6_K's int8 scales are applied in integers (stored_blocks.cpp): the vpmaddubsw
