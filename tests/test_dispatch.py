@@ -172,7 +172,7 @@ def test_stored_batch1_rows_equal_the_same_rows_in_a_batch(isa: str, fmt: Any) -
 
 
 # Row counts around the int8 GEMM's tiles (panels of 8 activation rows; of 16, in pairs,
-# on AVX-512) and, at K = 4096, past its first chunk of panels (128 rows on either).
+# on AVX-512) and, at K = 16384, past its first chunk of panels (128 rows on either).
 GEMM_ROWS = (8, 9, 15, 16, 17, 24, 31, 32, 33, 48, 200)
 GEMM_LAYOUTS = ["q8", "q4", "q4f", "q8b-g16", "q8b-min-f32", "q8b-g32-f16",
                 *(f.name for f in STORED_KINDS)]
@@ -214,7 +214,7 @@ def test_int8_gemm_equals_the_row_kernels(isa: str, layout: str) -> None:
     batch past one chunk of activation panels. 8-bit codes on the avx2 build dot with
     signed activations (vpmaddubsw cannot take them with the +128 offset)."""
     mod = _module(isa)
-    N, K = 13, 4096
+    N, K = 13, 16384
     g = _gen(len(layout) * 17 + len(isa))
     lin, bias = _gemm_layer(mod, layout, N, K, g)
     assert lin.gemm_supported

@@ -61,7 +61,13 @@ namespace {
 
 constexpr int64_t kGroup = 32;
 constexpr int64_t kLanes = kGemmLanes;
-constexpr int64_t kPanelsBytes = 1 << 19;  // activation panels per pass over the weights: in L2
+// Activation panels per pass over the weights: each weight row is unpacked once per pass,
+// so where K is large (a down projection's 8192-8960) a pass of the L2's 512 KiB held only
+// 32-64 rows, and at 512 rows the unpacking was repeated 8-16 times. 2 MiB passes spill
+// to L3 but unpack 4x less: one thread, 512 rows, avx512vnni, K = 8960 (N = 1536) Q4_K 62.1
+// -> 52.8 ms, Q6_K 75.5 -> 57.3; K = 8192 (N = 2048) Q6_K 76.6 -> 67.2; the avx2 build on
+// the same CPU, K = 8960, Q6_K 97.8 -> 89.2 ms; K = 2048 layers unchanged.
+constexpr int64_t kPanelsBytes = 1 << 21;
 #ifdef __AVX512VL__
 constexpr int kR = 4, kP = 2;  // weight rows x panels per tile: 32 vector registers
 #elif defined(__AVX2__)
