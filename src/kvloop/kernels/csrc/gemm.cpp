@@ -423,8 +423,7 @@ inline VI dot4(VI acc, VI a, VI w) {
 #ifdef KVLOOP_VNNI
   return vi_dpbusd(acc, a, w);
 #else
-  return vi_add32(
-      acc, vi_madd16(vi_maddubs(a, w), vi_set1_16(1)));
+  return vi_add32(acc, vi_madd16(vi_maddubs(a, w), vi_set1_16(1)));
 #endif
 }
 
@@ -437,9 +436,7 @@ inline VI widen_add(VI acc, VI h) {
 // codes w, w_abs their magnitudes (-128's is 128 as an unsigned byte): vpmaddubsw's int16
 // pair sums stay within 2 x 128 x 127.
 inline VI dot4_signed(VI acc, VI as, VI w_abs, VI w) {
-  return vi_add32(
-      acc, vi_madd16(vi_maddubs(w_abs, vi_sign8(as, w)),
-                             vi_set1_16(1)));
+  return vi_add32(acc, vi_madd16(vi_maddubs(w_abs, vi_sign8(as, w)), vi_set1_16(1)));
 }
 #endif
 
@@ -458,8 +455,7 @@ inline void scale_sums(const RowTile& w, int r0, int64_t gs, const float* D, con
   for (int r = 0; r < R; ++r) {
     const VF f = vf_set1(w.s(r0 + r)[gs]);
     for (int p = 0; p < P; ++p)
-      acc[r][p] = vf_fma(vf_cvt(ia[r][p]), vf_mul(f, dv[p]),
-                                  acc[r][p]);
+      acc[r][p] = vf_fma(vf_cvt(ia[r][p]), vf_mul(f, dv[p]), acc[r][p]);
     if constexpr (kMin) {
       const VF mv = vf_set1(w.m(r0 + r)[g]);
       for (int p = 0; p < P; ++p) acc[r][p] = vf_fma(mv, sv[p], acc[r][p]);
@@ -542,7 +538,7 @@ template <int64_t SUB, bool kMin, int R, int P>
 }
 
 #ifdef __AVX2__
-// 16 int16 pair sums of activation bytes av and 4 codes wb repeated, as kDot dots them:
+// int16 pair sums (2 kLanes) of activation bytes av and 4 codes wb repeated, as kDot dots them:
 // the activations unsigned (q + 128), or the codes (kSigned, codes >= 0).
 template <Dot kDot>
 inline VI byte_pairs(VI av, VI wb) {
@@ -551,11 +547,11 @@ inline VI byte_pairs(VI av, VI wb) {
 #endif
 
 // Rows r0..r0+R of the tile against panels p0..p0+P: out[p * pstride + lane * lstride + r],
-// kDot any but kPairs
-// (see Dot). kWide: pq holds the activations' low bytes and pqh their high ones. kSums:
-// vpmaddubsw results summed in int16 before each widening to int32 (int16_sums; 1 for
-// kWide, kSigned8 and VNNI). Not inlined: inside gemm_t's loops GCC spilled the AVX2
-// tile's int16 sums to the stack (Q5_0 and Q6_K at 512 rows ran at half the speed).
+// kDot any but kPairs (see Dot). kWide: pq holds the activations' low bytes and pqh their
+// high ones. kSums: vpmaddubsw results summed in int16 before each widening to int32
+// (int16_sums; 1 for kWide, kSigned8 and VNNI). Not inlined: inside gemm_t's loops GCC
+// spilled the AVX2 tile's int16 sums to the stack (Q5_0 and Q6_K at 512 rows ran at half
+// the speed).
 template <int64_t SUB, bool kMin, Dot kDot, int kSums, int R, int P>
 [[gnu::noinline]] void tile(const RowTile& w, int r0, const QuantizedActs& a, int64_t p0,
                             float* out, int64_t pstride, int64_t lstride) {
@@ -580,8 +576,7 @@ template <int64_t SUB, bool kMin, Dot kDot, int kSums, int R, int P>
     VI ia[R][P];
     VI il[kWide ? R : 1][kWide ? P : 1];  // kWide: the low bytes' sums
     for (int r = 0; r < R; ++r) {
-      const VI c =
-          kSignedActs ? vi_zero() : vi_set1(w.x(r0 + r)[gs]);
+      const VI c = kSignedActs ? vi_zero() : vi_set1(w.x(r0 + r)[gs]);
       for (int p = 0; p < P; ++p) ia[r][p] = c;
       if constexpr (kWide)
         for (int p = 0; p < P; ++p) il[r][p] = vi_zero();
@@ -595,11 +590,9 @@ template <int64_t SUB, bool kMin, Dot kDot, int kSums, int R, int P>
       for (int64_t j = j0; j < j0 + kSums; ++j) {
         VI av[P], al[kWide ? P : 1];
         for (int p = 0; p < P; ++p) {
-          av[p] =
-              vi_load(ag + p * pbytes + 4 * kLanes * j);
+          av[p] = vi_load(ag + p * pbytes + 4 * kLanes * j);
           if constexpr (kWide)
-            al[p] = vi_load(
-                AL + gs * SUB * kLanes + p * pbytes + 4 * kLanes * j);
+            al[p] = vi_load(AL + gs * SUB * kLanes + p * pbytes + 4 * kLanes * j);
         }
         for (int r = 0; r < R; ++r) {
           int32_t four;
