@@ -103,9 +103,10 @@ struct QuantizedActs {
   std::vector<float> pd, ps;
 };
 
-// Activation rows per panel: one vector of int32 sums. AVX-512 builds hold 16 in a 512-bit
-// register (gemm.cpp says why), the others 8 in a 256-bit one.
-#if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+// Activation rows per panel: one vector of int32 sums. AVX-512 builds (KVLOOP_VNNI, from
+// simd.h through kv_dtype.h) hold 16 in a 512-bit register (gemm.cpp says why), the others
+// 8 in a 256-bit one.
+#ifdef KVLOOP_VNNI
 constexpr int64_t kGemmLanes = 16;
 #else
 constexpr int64_t kGemmLanes = 8;
