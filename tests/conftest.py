@@ -332,6 +332,22 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
+def slowed(engine: LLMEngine, seconds: float) -> LLMEngine:
+    """Make every engine step take at least `seconds`: a test of what happens while a request
+    runs must not depend on how fast this machine decodes (the tiny model alone writes 1500
+    tokens in about 0.4 s on a Zen 4, so a 0.5 s client timeout could see the whole answer)."""
+    if seconds <= 0:
+        return engine
+    step = engine.step
+
+    def slow_step() -> list:
+        time.sleep(seconds)
+        return step()
+
+    engine.step = slow_step  # type: ignore[method-assign]
+    return engine
+
+
 def inject_forward_failure(engine: LLMEngine, at_step: int, seen: list[set[str]]) -> None:
     """Make the forward of the engine's `at_step`-th execute call write garbage into the
     KV slots of every position it runs (where the real forward writes), then raise, as a

@@ -26,6 +26,7 @@ import httpx
 import openai
 import pytest
 
+from conftest import slowed
 from kvloop import LLM, SamplingParams
 from kvloop.config import EngineConfig
 from kvloop.engine.llm_engine import LLMEngine
@@ -568,12 +569,26 @@ def test_oversized_body_is_413_before_parsing(keyed_server: BackgroundServer) ->
 
 
 # --- bad clients: disconnects and overload -----------------------------------------------------
-def test_stream_disconnect_aborts_and_frees_blocks(client: httpx.Client,
-                                                   tiny_server: BackgroundServer) -> None:
+@pytest.fixture(scope="module")
+def slow_server(tiny_model_dir: Path) -> Iterator[BackgroundServer]:
+    """1500 tokens take >= 3 s here: far longer than the disconnect tests wait."""
+    with serve(slowed(tiny_engine(tiny_model_dir), 0.002)) as server:
+        yield server
+
+
+@pytest.fixture()
+def slow_client(slow_server: BackgroundServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=slow_server.url, timeout=60) as c:
+        yield c
+
+
+def test_stream_disconnect_aborts_and_frees_blocks(slow_client: httpx.Client,
+                                                   slow_server: BackgroundServer) -> None:
+    client = slow_client
     wait_idle(client)
     generated = metric(client, "kvloop_generation_tokens_total")
     body = {"prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=tiny_server.url) as c2, \
+    with httpx.Client(base_url=slow_server.url) as c2, \
             c2.stream("POST", "/v1/completions", json=body) as r:
         lines = r.iter_lines()
         got = 0
@@ -591,26 +606,21 @@ def test_stream_disconnect_aborts_and_frees_blocks(client: httpx.Client,
     assert metric(client, "kvloop_generation_tokens_total") - generated < 1500
 
 
-def test_non_stream_disconnect_aborts(client: httpx.Client,
-                                      tiny_server: BackgroundServer) -> None:
-    wait_idle(client)
+def test_non_stream_disconnect_aborts(slow_client: httpx.Client,
+                                      slow_server: BackgroundServer) -> None:
+    wait_idle(slow_client)
+    generated = metric(slow_client, "kvloop_generation_tokens_total")
     body = {"prompt": PROMPT, "max_tokens": 1500, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{tiny_server.url}/v1/completions", json=body, timeout=0.5)
-    wait_idle(client, timeout=5)
+        httpx.post(f"{slow_server.url}/v1/completions", json=body, timeout=0.5)
+    wait_idle(slow_client, timeout=5)
+    assert metric(slow_client, "kvloop_generation_tokens_total") - generated < 1500
 
 
 def test_overload_is_429_with_retry_after(tiny_model_dir: Path) -> None:
-    engine = tiny_engine(tiny_model_dir, max_num_seqs=1)
     # A must still run when C arrives: as long as the context allows, and each step slowed
     # to >= 5 ms (the tiny model alone decodes 2000 tokens in well under a second).
-    step = engine.step
-
-    def slow_step() -> list:
-        time.sleep(0.005)
-        return step()
-
-    engine.step = slow_step  # type: ignore[method-assign]
+    engine = slowed(tiny_engine(tiny_model_dir, max_num_seqs=1), 0.005)
     long = {"prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True}
     with serve(engine, max_waiting=1) as server, \
             httpx.Client(base_url=server.url, timeout=60) as c:

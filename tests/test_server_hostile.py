@@ -21,7 +21,7 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from conftest import metric, wait_until_idle
+from conftest import metric, slowed, wait_until_idle
 from kvloop.config import EngineConfig
 from kvloop.engine.llm_engine import LLMEngine
 from kvloop.server.app import ServerSettings, create_app
@@ -49,8 +49,8 @@ class Target:
         return str(r.json()["choices"][0]["text"])
 
 
-def serve(model: Path, **settings: Any) -> BackgroundServer:
-    engine = LLMEngine(str(model), EngineConfig(kv_cache_memory="32MiB"))
+def serve(model: Path, step_delay: float = 0.0, **settings: Any) -> BackgroundServer:
+    engine = slowed(LLMEngine(str(model), EngineConfig(kv_cache_memory="32MiB")), step_delay)
     return BackgroundServer(create_app(engine, ServerSettings(model_name=settings.pop(
         "model_name", "tiny"), **settings)))
 
@@ -205,8 +205,21 @@ def test_prompt_list_over_the_cap_is_400(target: Target) -> None:
     assert_whole(target)
 
 
+@pytest.fixture(scope="module")
+def slow_target(tiny_model_dir: Path) -> Iterator[Target]:
+    """A target whose steps take >= 2 ms: 1500 tokens outlast the client's 1 s timeout
+    however fast this machine decodes."""
+    with serve(tiny_model_dir, step_delay=0.002,
+               max_prompts_per_request=MAX_PROMPTS) as server:
+        t = Target(server)
+        yield t
+        t.client.close()
+
+
 @pytest.mark.parametrize("stream", [False, True])
-def test_prompt_list_client_leaving_aborts_every_prompt(target: Target, stream: bool) -> None:
+def test_prompt_list_client_leaving_aborts_every_prompt(slow_target: Target,
+                                                        stream: bool) -> None:
+    target = slow_target
     body = {"prompt": [f"prompt {i}" for i in range(MAX_PROMPTS)], "max_tokens": 1500,
             "ignore_eos": True, "stream": stream}
     with httpx.Client(base_url=target.url, timeout=1.0) as c:
