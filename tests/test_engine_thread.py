@@ -15,6 +15,7 @@ import threading
 
 import pytest
 
+from conftest import slowed
 from kvloop.config import EngineConfig
 from kvloop.engine import structured
 from kvloop.engine.async_engine import AsyncEngine
@@ -139,8 +140,10 @@ def test_a_steps_outputs_cross_to_the_event_loop_in_one_batch(tiny_model_dir,
         call_in_loop(loop, fn)
 
     monkeypatch.setattr(async_engine, "_call_in_loop", counted)
-    aeng = AsyncEngine.build(
-        lambda: LLMEngine(str(tiny_model_dir), EngineConfig(kv_cache_memory="16MiB")))
+    # Steps slowed to >= 2 ms: otherwise r0 can finish its 12 steps (~3.5 ms) before r1 is
+    # accepted, and the four never decode together.
+    aeng = AsyncEngine.build(lambda: slowed(
+        LLMEngine(str(tiny_model_dir), EngineConfig(kv_cache_memory="16MiB")), 0.002))
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
     async def run() -> list[int]:

@@ -168,8 +168,11 @@ def test_stream_is_rate_bounded_and_a_slow_reader_never_blocks_the_engine() -> N
     assert 5 <= len(fast) - 1 <= 12  # ~10 updates in a second, however fast the engine
     assert len(slow) - 1 <= 4
     # The engine ran thousands of steps meanwhile, each never waiting on a reader.
+    # A step that waited on the slow reader would take its 0.5 s pause; anything shorter is
+    # the scheduler (a GIL hand-off, another process on a loaded 2-core box: up to ~0.26 s
+    # seen), which a tighter bound made this test fail 3 times in ~66 runs.
     assert len(step_times) > 1000
-    assert max(step_times) < 0.05
+    assert max(step_times) < 0.4
     assert sorted(step_times)[len(step_times) // 2] < 1e-3
 
 

@@ -305,14 +305,15 @@ def test_openai_client_chat_stop_and_stream_n2(oai: openai.OpenAI, tiny_llm: LLM
     assert usage is not None and usage.completion_tokens == sum(n_logprobs)
 
 
-def test_concurrent_requests_join_one_batch(tiny_server: BackgroundServer,
-                                            client: httpx.Client) -> None:
-    engine = tiny_server.app.state.async_engine.engine
-    wait_idle(client)
+def test_concurrent_requests_join_one_batch(slow_server: BackgroundServer,
+                                            slow_client: httpx.Client) -> None:
+    # Slowed steps: 20 of them outlast the 8 requests' arrival over HTTP on any machine.
+    engine = slow_server.app.state.async_engine.engine
+    wait_idle(slow_client)
     steps = engine.num_steps
 
     async def burst() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=tiny_server.url, timeout=60) as ac:
+        async with httpx.AsyncClient(base_url=slow_server.url, timeout=60) as ac:
             return await asyncio.gather(*(
                 ac.post("/v1/completions", json={"prompt": f"{i} {PROMPT}", "max_tokens": 20,
                                                  "ignore_eos": True}) for i in range(8)))

@@ -39,7 +39,9 @@ SERVED_TEMPLATE = (
     "{% if messages[-1]['content'] == 'bomb' %}" + MEMORY_BOMB + "{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-KILLED_WITHIN = TEMPLATE_TIME_LIMIT_S + 1.0  # the limit, the kill's grace, and slack
+# The limit, the kill's grace (0.5 s: kills land at 1.5 s) and a second of slack for a
+# loaded 2-core machine; the work itself would take seconds more.
+KILLED_WITHIN = TEMPLATE_TIME_LIMIT_S + 1.5
 CHAT = [{"role": "user", "content": "hi"}]
 
 
