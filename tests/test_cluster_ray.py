@@ -189,7 +189,8 @@ def test_replica_killed_under_load(cluster: Cluster) -> None:
     outcomes: list[str] = []
 
     async def one(client: httpx.AsyncClient, i: int, stream: bool) -> None:
-        body = {"prompt": f"load {i}: the quick brown fox", "max_tokens": 60,
+        # Long answers: still running when the kill lands, however fast the replicas decode.
+        body = {"prompt": f"load {i}: the quick brown fox", "max_tokens": 1500,
                 "ignore_eos": True, "temperature": 0.0, "stream": stream}
         if not stream:
             r = await client.post("/v1/completions", json=body)
@@ -214,13 +215,18 @@ def test_replica_killed_under_load(cluster: Cluster) -> None:
     async def load() -> None:
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
             tasks = [asyncio.create_task(one(client, i, i % 2 == 0)) for i in range(24)]
-            await asyncio.sleep(1.0)  # requests are running on both replicas
+            deadline = time.monotonic() + 30
+            while (await victim.stats()).num_running == 0:  # the kill must cut requests
+                assert time.monotonic() < deadline, "no request ever ran on the victim"
+                await asyncio.sleep(0.05)
             os.kill(old_pid, signal.SIGKILL)
             await asyncio.wait_for(asyncio.gather(*tasks), 90)  # nothing hangs
 
     asyncio.run(load())
     assert len(outcomes) == 24
     print(f"\noutcomes after the kill: {sorted(outcomes)}")
+    # The victim's requests end in an explicit error (503, or an error event), never a hang.
+    assert set(outcomes) - {"ok"}, outcomes
 
     # Ray Serve restarts it, the router sees it back and sends to it again.
     deadline = time.monotonic() + 60
