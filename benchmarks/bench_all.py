@@ -4,9 +4,13 @@
                                    [--model FILE.gguf] [--quick] [--write BENCHMARKS.md]
 
 The parent process measures the machine (memory read bandwidth, matmul FLOP/s), writes one
-workload (token ids, shared by every engine), then runs each engine in its own worker process
-(`bench_all.py --engine NAME --json --workload FILE`), one after another, so engines never
-share memory or threads and each one's peak resident set is its own.
+workload (token ids, shared by every engine), then starts each engine in its own worker process
+(`bench_all.py --engine NAME --json --workload FILE --gated`), so engines never share memory
+or threads and each one's peak resident set is its own. The workers take turns, one step at a
+time (a load, one decode run, one prefill run, one concurrent run), never two at once: each
+figure's runs alternate between the engines, so a change in the machine's speed during the run
+(other tenants of a shared host moved its memory bandwidth by 30-50% within minutes here)
+falls on every engine alike instead of on whichever ran at the time, and the ratios hold.
 
 Figures, per engine:
 - batch-1 decode tok/s: one request, a 16-token prompt, 128 generated tokens (greedy, EOS
@@ -41,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -282,22 +287,48 @@ def make_engine(name: str, work: Workload) -> Engine:
     return KvloopEngine(work.model_path, quant, max(64, *work.sizes.concurrency))
 
 
-def run_worker(name: str, work: Workload) -> dict[str, Any]:
-    """Every figure of one engine, in this process."""
+# A gated worker's line asking for its next turn (see run_gated).
+GATE = "BENCH_ALL_GATE"
+
+
+def no_gate() -> None:
+    """A worker on its own: every step at once."""
+
+
+def stdin_gate() -> None:
+    """A gated worker: say so and wait for the parent's go (a line on stdin; EOF: the parent
+    is gone, stop)."""
+    print(GATE, flush=True)
+    if not sys.stdin.readline():
+        sys.exit(1)
+
+
+def run_worker(name: str, work: Workload, gate: Callable[[], None] = no_gate) -> dict[str, Any]:
+    """Every figure of one engine, in this process; gate() before each timed step."""
     s = work.sizes
+    gate()
     t0 = time.perf_counter()
     eng = make_engine(name, work)
     res: dict[str, Any] = {"engine": name, "load_s": time.perf_counter() - t0,
                            "rss_loaded_mib": peak_rss_mib()}
     # Warm-ups (index 0 of each list): first calls pay one-off allocation and kernel selection.
+    gate()
     eng.prefill(work.prefill[0])
     eng.decode(work.decode[0], min(8, s.decode_tokens))
-    res["decode_runs"] = [eng.decode(p, s.decode_tokens) for p in work.decode[1:]]
-    res["prefill_runs"] = [eng.prefill(p) for p in work.prefill[1:]]
+    res["decode_runs"] = []
+    for p in work.decode[1:]:
+        gate()
+        res["decode_runs"].append(eng.decode(p, s.decode_tokens))
+    res["prefill_runs"] = []
+    for p in work.prefill[1:]:
+        gate()
+        res["prefill_runs"].append(eng.prefill(p))
     res["rss_batch1_mib"] = peak_rss_mib()
+    gate()
     eng.throughput(work.warmup_concurrent, min(4, s.new_tokens))
     res["concurrent"], res["concurrent_info"] = {}, {}
     for k, prompts in work.concurrent.items():
+        gate()
         res["concurrent"][k] = eng.throughput(prompts, s.new_tokens)
         res["concurrent_info"][k] = getattr(eng, "last_run", None)
         print(f"  {name}: {k} concurrent: {res['concurrent'][k]:.1f} tok/s", file=sys.stderr,
@@ -329,21 +360,61 @@ def llamacpp_installed(path: Path | None = None) -> str | None:
         return "?"
 
 
-def spawn(name: str, workload_path: Path, llama_cpp_path: Path | None = None) -> dict[str, Any]:
-    """Run one engine's worker; its result, or {"error": ...} if it failed."""
+# Between two workers' turns: the last one's idle threads stop spinning (OpenMP's and
+# llama.cpp's wait a while before they sleep) before the next one runs.
+TURN_PAUSE_S = 0.5
+
+
+def start_worker(name: str, workload_path: Path,
+                 llama_cpp_path: Path | None = None) -> subprocess.Popen[str]:
+    """One engine's gated worker process (stdin: its turns; stdout: gates and its result)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--engine", name, "--json",
-           "--workload", str(workload_path)]
-    print(f"[bench_all] {name} ...", file=sys.stderr, flush=True)
+           "--workload", str(workload_path), "--gated"]
     env = {**os.environ, "TQDM_DISABLE": "1"}  # transformers' GGUF conversion bar
     if name == "llama.cpp" and llama_cpp_path is not None:
         # A llama-cpp-python built for another ISA (pip install --target DIR), first on the path.
         env["PYTHONPATH"] = os.pathsep.join(
             [str(llama_cpp_path), *filter(None, [env.get("PYTHONPATH")])])
-    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=False, env=env)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(JSON_MARK):
-            return json.loads(line[len(JSON_MARK):])
-    return {"engine": name, "error": f"worker exited with {proc.returncode}"}
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env=env)
+
+
+def run_gated(names: list[str], workload_path: Path,
+              llama_cpp_path: Path | None = None) -> dict[str, dict[str, Any]]:
+    """Every engine's figures, the workers taking turns step by step (see the top): each
+    result, or {"error": ...} for a worker that failed."""
+    procs = {name: start_worker(name, workload_path, llama_cpp_path) for name in names}
+    results: dict[str, dict[str, Any]] = {}
+
+    def until_gate(name: str) -> bool:
+        """Read the worker's output up to its next gate (True) or its end (False)."""
+        proc = procs[name]
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.rstrip("\n") == GATE:
+                return True
+            if line.startswith(JSON_MARK):
+                results[name] = json.loads(line[len(JSON_MARK):])
+        proc.wait()
+        results.setdefault(name, {"engine": name,
+                                  "error": f"worker exited with {proc.returncode}"})
+        return False
+
+    # Each worker's imports run before its first gate, all at once: nothing is timed yet.
+    live = [name for name in names if until_gate(name)]
+    step = 0
+    while live:
+        step += 1
+        print(f"[bench_all] step {step}: {', '.join(live)}", file=sys.stderr, flush=True)
+        for name in list(live):
+            time.sleep(TURN_PAUSE_S)
+            stdin = procs[name].stdin
+            assert stdin is not None
+            stdin.write("go\n")
+            stdin.flush()
+            if not until_gate(name):
+                live.remove(name)
+    return results
 
 
 def _fmt(v: float | None, spec: str) -> str:
@@ -426,7 +497,7 @@ def render(results: dict[str, dict[str, Any]], work: Workload, bandwidth: float,
         f"`{command}` on {machine_line()}; measured bandwidth {bandwidth / 1e9:.1f} GB/s "
         f"(reading a 512 MiB buffer), matmul {flops / 1e9:.1f} GFLOP/s (fp32 1024^3); "
         f"all figures measured in this run ({elapsed:.0f} s), each engine in its own process, "
-        f"{work.threads} threads each.",
+        f"{work.threads} threads each, the engines taking turns run by run (never two at once).",
         "",
         f"Model file `{Path(work.model_path).name}` ({tensor_types(work.model_path)}). kvloop "
         "as-stored computes on the file's blocks exactly (`--quantization gguf`, the default "
@@ -497,12 +568,14 @@ def main() -> None:
     ap.add_argument("--engine", choices=list(ENGINES), help=argparse.SUPPRESS)  # worker mode
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--workload", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--gated", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.engine:
         if args.workload is None:
             ap.error("--engine needs --workload")
-        res = run_worker(args.engine, Workload.load(args.workload))
+        res = run_worker(args.engine, Workload.load(args.workload),
+                         stdin_gate if args.gated else no_gate)
         print(JSON_MARK + json.dumps(res) if args.json else json.dumps(res, indent=1),
               flush=True)
         return
@@ -533,11 +606,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "workload.json"
         work.save(path)
-        for name in [e for e in ENGINES if e in args.engines]:  # columns in a fixed order
-            if name == "llama.cpp" and llamacpp_version is None:
-                results[name] = {"engine": name, "error": "not installed"}
-                continue
-            results[name] = spawn(name, path, args.llama_cpp_path)
+        names = [e for e in ENGINES if e in args.engines]  # columns in a fixed order
+        if "llama.cpp" in names and llamacpp_version is None:
+            names.remove("llama.cpp")
+            results["llama.cpp"] = {"engine": "llama.cpp", "error": "not installed"}
+        results.update(run_gated(names, path, args.llama_cpp_path))
+        results = {e: results[e] for e in ENGINES if e in results}
     command = shlex.join(["python", os.path.relpath(Path(__file__).resolve(), HERE.parent),
                           *sys.argv[1:]])
     body = render(results, work, bandwidth, flops, command, time.time() - t0, llamacpp_version)
