@@ -1,5 +1,6 @@
 """bench_all.py's workers take turns (run_gated): one engine's step at a time, in rotation,
-and a worker that dies mid-run is reported while the others finish. Fake workers speak the
+the parent's own work (the bandwidth probe) between rounds, and a worker that dies mid-run
+is reported while the others finish. Fake workers speak the
 protocol (a gate line, then wait for "go") and log when each step runs."""
 
 from __future__ import annotations
@@ -52,11 +53,21 @@ def fake_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_workers_take_turns_and_a_dead_one_is_reported(fake_workers: Path) -> None:
-    results = bench_all.run_gated(["a", "b", "c"], fake_workers.parent / "workload.json")
+    def between() -> None:  # the parent's own work between rounds (the bandwidth probe)
+        with open(fake_workers, "a") as f:
+            f.write("parent between - -\n")
+
+    results = bench_all.run_gated(["a", "b", "c"], fake_workers.parent / "workload.json",
+                                  between=between)
     assert results["a"] == {"engine": "a", "steps": 4}
     assert results["b"] == {"engine": "b", "steps": 4}
     assert results["c"] == {"engine": "c", "error": "worker exited with 3"}
-    events = [line.split() for line in fake_workers.read_text().splitlines()]
+    lines = fake_workers.read_text().splitlines()
+    # The parent's work once per round, each time with every worker at its gate: a round's
+    # starts follow it (4 rounds; c's death ends its turn in the second).
+    assert [line.split()[0] == "parent" for line in lines] == (
+        [True] + [False] * 6 + [True] + [False] * 4 + [True] + [False] * 4 + [True] + [False] * 4)
+    events = [line.split() for line in lines if not line.startswith("parent")]
     # Never two at once: every step ends before the next one starts.
     assert [e[1] for e in events] == ["start", "end"] * (len(events) // 2)
     times = [float(e[3]) for e in events]
